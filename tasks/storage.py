@@ -1,0 +1,56 @@
+"""Where task data lives: local views of FlyteDirectory inputs and the durable checkpoint root."""
+
+from __future__ import annotations
+
+import fcntl
+import hashlib
+import shutil
+import tempfile
+from pathlib import Path
+
+import flytekit
+from flytekit.core.context_manager import FlyteContextManager
+from flytekit.types.directory import FlyteDirectory
+
+NODE_CACHE = Path(tempfile.gettempdir()) / "flyte-torch-pipeline"
+
+
+def is_uri(location: str) -> bool:
+    """True for object-store URIs (s3://, gs://, ...); plain paths and file:// URIs are local."""
+    return "://" in location and not location.startswith("file://")
+
+
+def local_path(location: str) -> Path:
+    """A plain path or a file:// URI as a Path."""
+    return Path(location.removeprefix("file://"))
+
+
+def local_directory(directory: FlyteDirectory) -> Path:
+    """A local path to ``directory``: used in place when it is local, else downloaded once per node.
+
+    Every training process on a node calls this; a file lock makes the first one download while the
+    others wait and then reuse the copy, and the rename publishes only a complete download.
+    """
+    source = directory.remote_source
+    if not source:
+        return Path(directory.path)
+    target = NODE_CACHE / hashlib.sha256(source.encode()).hexdigest()[:20]
+    NODE_CACHE.mkdir(parents=True, exist_ok=True)
+    with open(f"{target}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not target.is_dir():
+            partial = target.with_name(f"{target.name}.partial")
+            shutil.rmtree(partial, ignore_errors=True)
+            FlyteContextManager.current_context().file_access.get_data(source, str(partial), is_multipart=True)
+            partial.rename(target)
+    return target
+
+
+def default_checkpoint_root() -> str:
+    """``<raw output prefix>/checkpoints/<execution id>``: stable across Flyte retries of the train node.
+
+    Called where the train node is created (the launching @dynamic), so a retried attempt receives the
+    same root as an input and resumes from the last complete checkpoint in it.
+    """
+    ctx = flytekit.current_context()
+    return f"{ctx.raw_output_prefix.rstrip('/')}/checkpoints/{ctx.execution_id.name}"

@@ -1,0 +1,156 @@
+"""Distributed training: a torch-elastic Flyte task whose width is a launch-time input.
+
+Why a task per Topology and a resolver: flytekit fixes an Elastic task's type ("python-task" for one node,
+"pytorch" for a PyTorchJob) and its node range when the task object is built, and a pod rebuilds its task
+from code; ``with_overrides(task_config=...)`` changes neither (it serialises a one-node "python-task"
+with a multi-node custom). So :func:`train_task_for` builds one task per topology, and the pod's command
+carries the topology for :data:`elastic_task_resolver` to rebuild exactly that task.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import os
+from dataclasses import asdict
+from pathlib import Path
+
+import flytekit
+import torch.distributed as dist
+from flytekit import Resources, Secret
+from flytekit.core.base_task import TaskMetadata, TaskResolverMixin
+from flytekit.exceptions.user import FlyteRecoverableException
+from flytekit.extras.accelerators import GPUAccelerator
+from flytekit.types.directory import FlyteDirectory
+from flytekitplugins.kfpytorch import CleanPodPolicy, Elastic, RunPolicy
+from flytekitplugins.kfpytorch.task import PytorchElasticFunctionTask
+from torch.distributed.elastic.rendezvous.api import RendezvousError
+
+import traincore.train
+from tasks.mirror import local_checkpoint_root, synced_checkpoints
+from tasks.storage import is_uri, local_directory
+from tasks.types import StagedDataset, Topology, TrainResult
+from traincore.config import Config
+
+WANDB_SECRET = Secret(group="wandb", key="api_key", mount_requirement=Secret.MountType.FILE)
+CPU_PER_PROCESS, MEM_GIB_PER_PROCESS = 2, 6
+ELASTIC_BACKENDS = ("local", "kubernetes")  # both run the Elastic task below
+TRAIN_RETRIES = 3  # recoverable faults only (rendezvous timeouts, lost peers); user errors fail at once
+
+
+def train(config: Config, dataset: StagedDataset, checkpoint_root: str) -> TrainResult:
+    """Train in one elastic worker process; global rank 0's return value becomes the task output."""
+    _use_wandb_secret(config)
+    output = Path(flytekit.current_context().working_directory) / "run"
+    try:
+        summary = traincore.train.run(config, local_directory(dataset.directory), output,
+                                      local_checkpoint_root(checkpoint_root))
+    except dist.DistError as exc:  # a peer vanished or the store timed out: infrastructure, worth a retry
+        raise FlyteRecoverableException(f"distributed training failed transiently: {exc}") from exc
+    if int(os.environ.get("RANK", "0")) == 0:
+        print(f"train: {traincore.train.format_summary(summary)}; TensorBoard: tensorboard --logdir "
+              f"{Path(summary.output_dir) / 'tensorboard'}", flush=True)
+    return TrainResult(
+        checkpoints=FlyteDirectory(checkpoint_root if is_uri(checkpoint_root) else summary.checkpoint_dir),
+        logs=FlyteDirectory(summary.output_dir), steps=summary.steps, samples_per_s=summary.samples_per_s,
+        data_wait_share=summary.data_wait_share, final_loss=summary.final_loss,
+        val_accuracy=summary.val_accuracy, resumed_from=summary.resumed_from,
+        world_size=int(os.environ.get("WORLD_SIZE", "1")), wall_s=summary.wall_s)
+
+
+def _use_wandb_secret(config: Config) -> None:
+    """Point traincore at the mounted W&B key file; the key itself never enters the environment."""
+    if config.telemetry.wandb_mode != "online" or "WANDB_API_KEY" in os.environ:
+        return
+    path = flytekit.current_context().secrets.get_secrets_file(WANDB_SECRET.group, WANDB_SECRET.key)
+    if os.path.isfile(path):
+        os.environ.setdefault("WANDB_API_KEY_FILE", path)
+
+
+class ElasticTrainTask(PytorchElasticFunctionTask):
+    """The Elastic task plus what must happen once per node, around the worker processes."""
+
+    def __init__(self, topology: Topology, wandb_secret: bool):
+        self.key = task_key(topology, wandb_secret)
+        timeout = topology.rdzv_timeout_s
+        super().__init__(
+            task_config=Elastic(
+                nnodes=topology.nnodes, nproc_per_node=topology.nproc_per_node, start_method="spawn",
+                monitor_interval=1,  # the agent notices finished workers within 1 s instead of 5
+                max_restarts=topology.max_restarts, increase_shared_mem=False,
+                # read_timeout too: the c10d store's 60 s default is shorter than a slow pod's start-up.
+                rdzv_configs={"timeout": timeout, "join_timeout": timeout, "read_timeout": timeout},
+                run_policy=RunPolicy(clean_pod_policy=CleanPodPolicy.ALL) if topology.nnodes > 1 else None),
+            task_function=train, shared_memory=True,
+            metadata=TaskMetadata(retries=TRAIN_RETRIES),
+            requests=Resources(cpu=str(CPU_PER_PROCESS * topology.nproc_per_node),
+                               mem=f"{MEM_GIB_PER_PROCESS * topology.nproc_per_node}Gi",
+                               gpu=str(topology.gpus_per_node) if topology.gpus_per_node else None),
+            accelerator=GPUAccelerator(topology.accelerator) if topology.accelerator else None,
+            secret_requests=[WANDB_SECRET] if wandb_secret else None)
+        # Set after construction: inside a @dynamic, flytekit would replace a resolver passed to __init__
+        # with the compilation context's default one, which rebuilds the module's default topology instead.
+        self.set_resolver(elastic_task_resolver)
+        gpus = f"-gpu{topology.gpus_per_node}" if topology.gpus_per_node else ""
+        self._name = f"{__name__}.train-{topology.nnodes}x{topology.nproc_per_node}{gpus}"
+
+    @property
+    def name(self) -> str:
+        # flytekit would prefix the module whose code happened to build the task (here: whoever first
+        # asked for this topology); the name must depend on the topology alone.
+        return self._name
+
+    def execute(self, **kwargs):
+        """Validate before any worker starts; keep checkpoints synced while the workers run."""
+        traincore.train.validate(kwargs["config"], local_directory(kwargs["dataset"].directory))
+        with synced_checkpoints(kwargs["checkpoint_root"]):
+            try:
+                return super().execute(**kwargs)
+            except RendezvousError as exc:  # not every node came up in time: a retry may find them
+                raise FlyteRecoverableException(f"rendezvous failed: {exc}") from exc
+
+
+class ElasticTaskResolver(TaskResolverMixin):
+    """Rebuilds a topology's train task in the pod from the arguments its command carries."""
+
+    @property
+    def location(self) -> str:
+        return f"{__name__}.elastic_task_resolver"
+
+    def name(self) -> str:
+        return "ElasticTaskResolver"
+
+    def loader_args(self, settings, t: ElasticTrainTask) -> list[str]:
+        return ["task-key", t.key]
+
+    def load_task(self, loader_args: list[str]) -> ElasticTrainTask:
+        return _task_from_key(loader_args[1])
+
+    def get_all_tasks(self) -> list[ElasticTrainTask]:
+        return [train_task]
+
+
+elastic_task_resolver = ElasticTaskResolver()
+
+
+def task_key(topology: Topology, wandb_secret: bool) -> str:
+    """Everything that tells one train task from another, as the JSON its pod command carries."""
+    return json.dumps({"topology": asdict(topology), "wandb_secret": wandb_secret}, sort_keys=True)
+
+
+def train_task_for(topology: Topology, config: Config) -> ElasticTrainTask:
+    """The train task for ``topology.backend``: the one place where a new backend (Slurm) plugs in."""
+    if topology.backend not in ELASTIC_BACKENDS:
+        raise ValueError(f"backend={topology.backend!r} has no train task yet; use one of "
+                         f"{', '.join(ELASTIC_BACKENDS)}")
+    return _task_from_key(task_key(topology, config.telemetry.wandb_mode == "online"))
+
+
+@functools.cache
+def _task_from_key(key: str) -> ElasticTrainTask:
+    spec = json.loads(key)
+    return ElasticTrainTask(Topology(**spec["topology"]), spec["wandb_secret"])
+
+
+# The registered default (one node, two processes): `pyflyte package` serialises it, and it can be run alone.
+train_task = train_task_for(Topology(), Config())

@@ -1,0 +1,94 @@
+"""Shared fixtures: small staged datasets (built once per test session) and a JPEG ImageFolder writer."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from traincore.config import DataConfig
+from traincore.data import stage
+
+# 100 synthetic samples split 80/10/10; 32 per shard puts the train split in three shards (32, 32, 16),
+# so reads cross shard boundaries. Every image carries its own noise, so image bytes identify a sample.
+SYNTHETIC = DataConfig(source="synthetic", image_size=8, synthetic_samples=100, synthetic_classes=4,
+                       samples_per_shard=32)
+DIGITS = DataConfig(source="digits", image_size=16, channels=1)
+
+# One clearly different colour per class, so a staged image's colour tells which class it came from.
+CLASS_COLOURS = ((220, 30, 30), (30, 200, 40), (40, 50, 210), (230, 220, 40))
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Skip tests marked ``gpu`` when no CUDA device is present."""
+    import torch
+
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA device")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)
+
+
+@pytest.fixture(scope="session")
+def synthetic_config() -> DataConfig:
+    """The DataConfig behind ``synthetic_dir``."""
+    return SYNTHETIC
+
+
+@pytest.fixture(scope="session")
+def synthetic_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A staged synthetic dataset: 3x8x8, 4 classes, train/val/test = 80/10/10."""
+    output = tmp_path_factory.mktemp("staged") / "synthetic"
+    stage(SYNTHETIC, output)
+    return output
+
+
+@pytest.fixture(scope="session")
+def digits_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The scikit-learn digits staged at 1x16x16."""
+    output = tmp_path_factory.mktemp("staged") / "digits"
+    stage(DIGITS, output)
+    return output
+
+
+@pytest.fixture(scope="session")
+def class_colours() -> np.ndarray:
+    """The RGB colour each ``write_image_folder`` class is drawn in, one row per class."""
+    return np.array(CLASS_COLOURS, dtype=np.float64)
+
+
+def write_image_folder(root: Path, per_class: int = 6, classes: int = 3, size: tuple[int, int] = (20, 14),
+                       seed: int = 0) -> Path:
+    """Write ``<root>/class_k/img_i.jpg``: noisy images in class k's colour, deterministic for ``seed``."""
+    from PIL import Image
+
+    rng = np.random.default_rng(seed)
+    width, height = size
+    for label in range(classes):
+        directory = root / f"class_{label}"
+        directory.mkdir(parents=True, exist_ok=True)
+        for index in range(per_class):
+            noise = rng.integers(-25, 26, size=(height, width, 3))
+            pixels = np.clip(np.array(CLASS_COLOURS[label]) + noise, 0, 255).astype(np.uint8)
+            Image.fromarray(pixels).save(directory / f"img_{index:03d}.jpg", quality=95)
+    return root
+
+
+@pytest.fixture
+def image_folder_factory(tmp_path: Path) -> Callable[..., Path]:
+    """``make(name, **kwargs)`` writes a JPEG ImageFolder tree under this test's tmp_path."""
+
+    def make(name: str = "images", **kwargs) -> Path:
+        return write_image_folder(tmp_path / name, **kwargs)
+
+    return make
+
+
+@pytest.fixture(scope="session")
+def image_folder(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A shared 3-class JPEG ImageFolder with 10 images per class (20x14 pixels, not square)."""
+    return write_image_folder(tmp_path_factory.mktemp("imagefolder") / "images", per_class=10)

@@ -1,0 +1,95 @@
+"""Launch-input validation: every bad input fails in the plan with a message naming the input."""
+
+from __future__ import annotations
+
+import pytest
+
+from tasks.plan import (
+    LaunchInputError,
+    build_config,
+    check_checkpoint_root,
+    check_source,
+    check_topology,
+    plan_run,
+)
+from tasks.types import Topology
+from traincore.config import preset
+
+PLAN_DEFAULTS = dict(source="digits", preset="digits", config_overrides="", epochs=0, max_steps=0, backend="local",
+                     nnodes=1, nproc_per_node=2, gpus_per_node=0, accelerator="", max_restarts=0,
+                     checkpoint_uri="")
+
+
+def test_build_config_layers_preset_overrides_and_inputs():
+    cfg = build_config("digits", '{"loader": {"batch_size": 48}}', "synthetic", epochs=3, max_steps=0)
+    assert (cfg.loader.batch_size, cfg.data.source, cfg.train.epochs, cfg.train.max_steps) == (48, "synthetic", 3, 0)
+    assert cfg.model == preset("digits").model
+    assert build_config("digits", "", "", epochs=0, max_steps=7).train.max_steps == 7
+
+
+@pytest.mark.parametrize("kwargs, names", [
+    (dict(preset_name="nope"), "input preset"),
+    (dict(config_overrides="{not json"), "input config_overrides"),
+    (dict(config_overrides='{"loader": {"batch_size": 0}}'), "loader.batch_size"),
+    (dict(source="ftp"), "input source"),
+    (dict(epochs=-1), "input epochs"),
+    (dict(epochs=2, max_steps=5), "epochs=2 and max_steps=5"),
+])
+def test_build_config_names_the_bad_input(kwargs, names):
+    args = dict(preset_name="digits", config_overrides="", source="", epochs=0, max_steps=0) | kwargs
+    with pytest.raises(LaunchInputError, match=names):
+        build_config(**args)
+
+
+def test_missing_dataset_path_is_named(tmp_path):
+    with pytest.raises(LaunchInputError, match=r"input source=.*does not exist"):
+        check_source(f"imagefolder:{tmp_path / 'missing'}")
+    with pytest.raises(LaunchInputError, match="does not exist"):
+        check_source(f"imagefolder:file://{tmp_path / 'missing'}")
+    check_source(f"imagefolder:{tmp_path}")  # exists
+    check_source("imagefolder:s3://bucket/images")  # remote: left to the staging task
+
+
+@pytest.mark.parametrize("changes, local_run, message", [
+    (dict(backend="mesos"), True, r"input backend='mesos' is unknown"),
+    (dict(backend="slurm"), True, r"input backend='slurm' is not yet supported"),
+    (dict(nproc_per_node=0), True, r"input nproc_per_node=0 is invalid"),
+    (dict(nnodes=0), True, r"input nnodes=0 is invalid"),
+    (dict(gpus_per_node=-1), True, r"input gpus_per_node=-1"),
+    (dict(nnodes=2), False, r"input nnodes=2 needs backend='kubernetes'"),
+    (dict(nnodes=2, backend="kubernetes"), True, r"input nnodes=2 needs a Flyte cluster"),
+    (dict(accelerator="nvidia-tesla-a100"), True, r"input accelerator='nvidia-tesla-a100' needs gpus_per_node"),
+    (dict(gpus_per_node=2, nproc_per_node=4), True, r"input nproc_per_node=4 exceeds gpus_per_node=2"),
+])
+def test_bad_topology_is_named(changes, local_run, message):
+    with pytest.raises(LaunchInputError, match=message):
+        check_topology(Topology(**changes), local_run=local_run)
+
+
+@pytest.mark.parametrize("changes, local_run", [
+    ({}, True),
+    (dict(backend="kubernetes", nnodes=4, nproc_per_node=8, gpus_per_node=8, accelerator="nvidia-h100"), False),
+])
+def test_good_topology_passes(changes, local_run):
+    check_topology(Topology(**changes), local_run=local_run)
+
+
+def test_multi_node_object_store_checkpoints_need_sync_mode_and_no_elastic_restarts():
+    multi = Topology(backend="kubernetes", nnodes=2)
+    dcp = preset("digits").with_overrides({"checkpoint.mode": "dcp"})
+    with pytest.raises(LaunchInputError, match=r"checkpoint.mode='dcp' with nnodes=2"):
+        check_checkpoint_root(dcp, multi, checkpoint_uri="s3://bucket/run")
+    check_checkpoint_root(dcp, multi, checkpoint_uri="/mnt/shared/run")  # a shared filesystem: any mode
+    restarts = Topology(backend="kubernetes", nnodes=2, max_restarts=2)
+    with pytest.raises(LaunchInputError, match=r"input max_restarts=2"):
+        check_checkpoint_root(preset("digits"), restarts, checkpoint_uri="")
+    check_checkpoint_root(dcp, Topology(), checkpoint_uri="")  # one node: node-local parts are all there
+
+
+def test_plan_task_runs_locally_and_rejects_multi_node():
+    plan = plan_run(**PLAN_DEFAULTS | dict(source="synthetic", max_steps=12, nproc_per_node=1))
+    assert plan.config.data == plan.data and plan.data.source == "synthetic"
+    assert plan.config.train.max_steps == 12
+    assert plan.topology == Topology(nproc_per_node=1, rdzv_timeout_s=plan.config.dist.init_timeout_s)
+    with pytest.raises(Exception, match="needs a Flyte cluster"):
+        plan_run(**PLAN_DEFAULTS | dict(backend="kubernetes", nnodes=2))

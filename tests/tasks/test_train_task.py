@@ -1,0 +1,87 @@
+"""The train task's contract without launching workers: error classes, validation order, the resolver."""
+
+from __future__ import annotations
+
+import pytest
+from flytekit.exceptions.user import FlyteRecoverableException
+from flytekit.tools.module_loader import load_object_from_module
+from flytekit.types.directory import FlyteDirectory
+from flytekitplugins.kfpytorch.task import PytorchElasticFunctionTask
+from torch.distributed import DistNetworkError
+from torch.distributed.elastic.rendezvous.api import RendezvousTimeoutError
+
+import tasks.train as train_module
+from tasks.train import ElasticTrainTask, train_task, train_task_for
+from tasks.types import StagedDataset, Topology
+from traincore.config import ConfigError, preset
+
+
+@pytest.fixture
+def dataset(synthetic_dir) -> StagedDataset:
+    return StagedDataset(directory=FlyteDirectory(str(synthetic_dir)), source="synthetic", classes=["a"] * 4,
+                         shape=[3, 8, 8], counts={"train": 80, "val": 10, "test": 10}, format_version=1)
+
+
+def test_worker_turns_lost_peers_into_recoverable_errors(monkeypatch, dataset, tmp_path):
+    def lose_peer(*args, **kwargs):
+        raise DistNetworkError("Connection reset by peer")
+
+    monkeypatch.setattr(train_module.traincore.train, "run", lose_peer)
+    with pytest.raises(FlyteRecoverableException, match="transiently"):
+        train_module.train(preset("debug"), dataset, str(tmp_path))
+
+
+def test_worker_lets_user_errors_through(monkeypatch, dataset, tmp_path):
+    def bad_config(*args, **kwargs):
+        raise ConfigError("loader.batch_size=0 is invalid")
+
+    monkeypatch.setattr(train_module.traincore.train, "run", bad_config)
+    with pytest.raises(ConfigError):
+        train_module.train(preset("debug"), dataset, str(tmp_path))
+
+
+def test_rendezvous_timeout_is_recoverable(monkeypatch, dataset, tmp_path):
+    def no_quorum(self, **kwargs):
+        raise RendezvousTimeoutError("the rendezvous timed out")
+
+    monkeypatch.setattr(PytorchElasticFunctionTask, "execute", no_quorum)
+    with pytest.raises(FlyteRecoverableException, match="rendezvous failed"):
+        train_task.execute(config=preset("debug"), dataset=dataset, checkpoint_root=str(tmp_path))
+
+
+def test_bad_config_fails_before_any_worker_starts(monkeypatch, dataset, tmp_path):
+    def launched(self, **kwargs):
+        raise AssertionError("workers were launched")
+
+    monkeypatch.setattr(PytorchElasticFunctionTask, "execute", launched)
+    too_big = preset("debug").with_overrides({"loader.batch_size": 500})
+    with pytest.raises(ValueError, match="loader.batch_size=500 exceeds the 80 training samples"):
+        train_task.execute(config=too_big, dataset=dataset, checkpoint_root=str(tmp_path))
+
+
+def test_one_task_per_topology_with_matching_elastic_config():
+    wide = Topology(backend="kubernetes", nnodes=3, nproc_per_node=4, gpus_per_node=4, max_restarts=0,
+                    rdzv_timeout_s=1200)
+    task = train_task_for(wide, preset("digits"))
+    assert task is train_task_for(wide, preset("digits"))
+    assert task is not train_task and task.task_type == "pytorch" and train_task.task_type == "python-task"
+    assert (task.min_nodes, task.max_nodes, task.task_config.nproc_per_node) == (3, 3, 4)
+    assert task.task_config.rdzv_configs == {"timeout": 1200, "join_timeout": 1200, "read_timeout": 1200}
+    assert not task.task_config.increase_shared_mem and task.shared_memory is True
+    assert task.name == "tasks.train.train-3x4-gpu4"
+    online = preset("digits").with_overrides({"telemetry.wandb_mode": "online"})
+    assert [s.group for s in train_task_for(wide, online).security_context.secrets] == ["wandb"]
+    assert not task.security_context or not task.security_context.secrets
+
+
+def test_resolver_rebuilds_the_same_task_from_its_command():
+    task = train_task_for(Topology(backend="kubernetes", nnodes=2, nproc_per_node=8), preset("digits"))
+    resolver = load_object_from_module(task.task_resolver.location)
+    rebuilt = resolver.load_task(resolver.loader_args(None, task))
+    assert isinstance(rebuilt, ElasticTrainTask)
+    assert rebuilt.task_config == task.task_config and rebuilt.name == task.name
+
+
+def test_backends_without_a_train_task_are_refused():
+    with pytest.raises(ValueError, match="backend='slurm' has no train task yet"):
+        train_task_for(Topology(backend="slurm"), preset("digits"))

@@ -1,0 +1,71 @@
+"""The whole workflow, locally: two elastic gloo processes, a real report, the staging cache, bad inputs."""
+
+from __future__ import annotations
+
+import hashlib
+from pathlib import Path
+
+import pytest
+
+import tasks.stage
+from traincore.evaluate import evaluate as evaluate_split
+from workflows.pipeline import training_pipeline
+
+# 10 learnable synthetic classes at 16x16; 60 steps of the debug model on 2 processes take a few seconds.
+SMALL = dict(source="synthetic", preset="debug", config_overrides='{"data": {"synthetic_samples": 600}}',
+             max_steps=60, nproc_per_node=2)
+
+
+def forbid_staging(monkeypatch):
+    def staging_started(*args, **kwargs):
+        raise AssertionError("the dataset was staged")
+
+    monkeypatch.setattr(tasks.stage, "stage", staging_started)
+
+
+@pytest.fixture(scope="module")
+def first_run(tmp_path_factory):
+    checkpoints = tmp_path_factory.mktemp("run") / "checkpoints"
+    model, report = training_pipeline(**SMALL, checkpoint_uri=str(checkpoints))
+    return model, report, checkpoints
+
+
+def test_pipeline_trains_exports_and_reports_a_real_accuracy(first_run):
+    model, report, checkpoints = first_run
+    weights = Path(model.directory.path) / model.weights_file
+    assert hashlib.sha256(weights.read_bytes()).hexdigest() == model.sha256 == report.model_sha256
+    assert model.step == 60 and (checkpoints / "step-000060").is_dir()
+    assert report.count == sum(map(sum, report.confusion)) == 60  # 10% of 600 samples
+    assert report.accuracy == pytest.approx(sum(report.confusion[k][k] for k in range(10)) / report.count)
+    assert report.accuracy > 0.3  # chance is 0.1
+    assert len(report.precision) == len(report.recall) == len(report.classes) == 10
+    return_trip = evaluate_split(weights, first_staged_directory(), "test")
+    assert return_trip.accuracy == report.accuracy and return_trip.confusion == report.confusion
+
+
+def first_staged_directory() -> str:
+    """The staged dataset the first run produced, fetched through the stage task's cache."""
+    from tasks.plan import build_config
+    from tasks.stage import stage_dataset
+
+    data = build_config(SMALL["preset"], SMALL["config_overrides"], SMALL["source"], 0, SMALL["max_steps"]).data
+    return stage_dataset(data=data).directory.path
+
+
+def test_rerun_hits_the_staging_cache(first_run, monkeypatch, tmp_path):
+    forbid_staging(monkeypatch)
+    model, report = training_pipeline(**SMALL | dict(max_steps=10), checkpoint_uri=str(tmp_path / "again"))
+    assert model.step == 10 and report.count == first_run[1].count
+
+
+@pytest.mark.parametrize("bad, named", [
+    (dict(backend="mesos"), "input backend='mesos' is unknown"),
+    (dict(backend="slurm"), "input backend='slurm' is not yet supported"),
+    (dict(nproc_per_node=0), "input nproc_per_node=0"),
+    (dict(nnodes=2), "input nnodes=2 needs backend='kubernetes'"),
+    (dict(source="imagefolder:/no/such/images"), "input source='imagefolder:/no/such/images'"),
+])
+def test_bad_inputs_fail_before_anything_runs(bad, named, monkeypatch):
+    forbid_staging(monkeypatch)
+    with pytest.raises(Exception, match=named):
+        training_pipeline(**SMALL | bad)

@@ -1,0 +1,75 @@
+"""Models by name. Input shape and class count come from the staged manifest; nothing is downloaded."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from traincore.config import ModelConfig
+
+
+class SmallCNN(nn.Module):
+    """Three conv blocks and a linear head: the default for digits-sized images."""
+
+    def __init__(self, in_channels: int, num_classes: int, width: int = 32, dropout: float = 0.0):
+        super().__init__()
+
+        def block(cin: int, cout: int) -> nn.Sequential:
+            return nn.Sequential(nn.Conv2d(cin, cout, 3, padding=1, bias=False), nn.BatchNorm2d(cout),
+                                 nn.ReLU(inplace=True))
+
+        self.features = nn.Sequential(
+            block(in_channels, width), nn.MaxPool2d(2),
+            block(width, 2 * width), nn.MaxPool2d(2),
+            block(2 * width, 4 * width), nn.AdaptiveAvgPool2d(1),
+        )
+        self.head = nn.Sequential(nn.Flatten(), nn.Dropout(dropout), nn.Linear(4 * width, num_classes))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.features(x))
+
+
+class MLP(nn.Module):
+    """Two hidden layers over the flattened image: a baseline and a fast test model."""
+
+    def __init__(self, in_features: int, num_classes: int, width: int = 128, dropout: float = 0.0):
+        super().__init__()
+        self.net = nn.Sequential(nn.Flatten(), nn.Linear(in_features, width), nn.ReLU(inplace=True),
+                                 nn.Dropout(dropout), nn.Linear(width, width), nn.ReLU(inplace=True),
+                                 nn.Linear(width, num_classes))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.net(x)
+
+
+def _torchvision_model(name: str, in_channels: int, num_classes: int, image_size: int) -> nn.Module:
+    import torchvision
+
+    if name == "vit_b_16":
+        if image_size % 16:
+            raise ValueError(f"model vit_b_16 needs an image size divisible by 16, got {image_size}: "
+                             "stage with data.image_size=224 (or another multiple of 16)")
+        model = torchvision.models.vit_b_16(weights=None, num_classes=num_classes, image_size=image_size)
+        if in_channels != 3:
+            conv = model.conv_proj
+            model.conv_proj = nn.Conv2d(in_channels, conv.out_channels, conv.kernel_size, conv.stride)
+        return model
+    model = getattr(torchvision.models, name)(weights=None, num_classes=num_classes)
+    if in_channels != 3:
+        model.conv1 = nn.Conv2d(in_channels, 64, kernel_size=7, stride=2, padding=3, bias=False)
+    return model
+
+
+def build_model(cfg: ModelConfig, num_classes: int, shape: tuple[int, int, int]) -> nn.Module:
+    """Build ``cfg.name`` for inputs of ``shape`` (C, H, W) and ``num_classes`` outputs, randomly initialised."""
+    channels, height, width = shape
+    if cfg.name == "small_cnn":
+        return SmallCNN(channels, num_classes, cfg.width, cfg.dropout)
+    if cfg.name == "mlp":
+        return MLP(channels * height * width, num_classes, cfg.width, cfg.dropout)
+    return _torchvision_model(cfg.name, channels, num_classes, height)
+
+
+def parameter_count(model: nn.Module) -> int:
+    """Number of trainable parameters."""
+    return sum(p.numel() for p in model.parameters() if p.requires_grad)
