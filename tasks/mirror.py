@@ -22,7 +22,7 @@ import fsspec
 from flytekit.core.context_manager import FlyteContextManager
 
 from tasks.storage import NODE_CACHE, is_uri, local_path
-from traincore.checkpoint import MARKER, complete_steps, step_dir
+from traincore.checkpoint_files import MARKER, complete_steps, step_dir
 
 log = logging.getLogger(__name__)
 _STEP = re.compile(r"/step-(\d+)/" + re.escape(MARKER) + "$")

@@ -19,7 +19,7 @@ from pathlib import Path
 from safetensors.torch import load_file, save_file
 from torch import nn
 
-from traincore.checkpoint import (
+from traincore.checkpoint_files import (
     MARKER,
     CheckpointError,
     latest_complete,

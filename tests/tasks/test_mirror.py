@@ -10,7 +10,7 @@ from fsspec.implementations.memory import MemoryFileSystem
 
 from tasks.mirror import CheckpointMirror, local_checkpoint_root, synced_checkpoints
 from tasks.storage import is_uri
-from traincore.checkpoint import MARKER, complete_steps, step_dir
+from traincore.checkpoint_files import MARKER, complete_steps, step_dir
 
 
 def write_step(root: Path, step: int, complete: bool = True) -> Path:

@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import errno
 import logging
+import os
 import random
 import time
+import zlib
 from datetime import timedelta
 from pathlib import Path
 
@@ -16,18 +19,19 @@ import torch.multiprocessing as mp
 import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel
 
-from traincore import checkpoint
-from traincore.checkpoint import (
-    Checkpointer,
+from traincore import checkpoint_files, checkpoint_writer
+from traincore.checkpoint import Checkpointer, TrainState, unwrap_model
+from traincore.checkpoint_files import (
+    MARKER,
     CheckpointError,
-    TrainState,
     complete_steps,
     latest_complete,
     read_checkpoint,
+    read_marker,
     step_dir,
-    unwrap_model,
     verify_checkpoint,
 )
+from traincore.checkpoint_writer import ChecksumWriter
 from traincore.config import CHECKPOINT_MODES, CheckpointConfig, Config, ModelConfig
 from traincore.models import build_model
 
@@ -102,6 +106,14 @@ def draw_rng() -> tuple:
     return torch.rand(3).tolist(), random.random(), float(np.random.rand())
 
 
+def assert_marker_matches_disk(directory: Path) -> None:
+    """The marker lists every other file of the directory with its true size and CRC32."""
+    files = {p.relative_to(directory).as_posix(): p.read_bytes() for p in directory.rglob("*")
+             if p.is_file() and p.name != MARKER}
+    expected = {name: {"bytes": len(data), "crc32": f"{zlib.crc32(data):08x}"} for name, data in files.items()}
+    assert read_marker(directory)["files"] == expected
+
+
 def save_steps(root: Path, mode: str, steps: list[int], **cfg) -> TrainState:
     """Train one state and save it at each of ``steps``."""
     state = make_state()
@@ -139,6 +151,53 @@ def test_round_trip_restores_everything_bitwise(tmp_path, mode, caplog):
     assert_same(snapshot(state), snapshot(resumed))  # the resumed run continues bit for bit
     assert f"checkpoint step=3 mode={mode} blocking=" in caplog.text
     assert "resumed from" in caplog.text
+
+
+@pytest.mark.parametrize("mode", CHECKPOINT_MODES)
+def test_checksums_are_computed_while_writing(tmp_path, mode, monkeypatch):
+    read_back = []
+    original = checkpoint_files.file_checksum
+    monkeypatch.setattr(checkpoint_files, "file_checksum", lambda path: read_back.append(path) or original(path))
+    save_steps(tmp_path, mode, [1])
+    # Only DCP's small .metadata, renamed after it was written, is read back to checksum it.
+    assert [p.name for p in read_back] == ([] if mode == "sync" else [".metadata"])
+    assert_marker_matches_disk(step_dir(tmp_path, 1))
+    assert torch.serialization.get_crc32_options()  # torch.save's zip CRC32 is back on for everyone else
+
+
+def _open_flags(fd: int) -> int:
+    """The open flags of a file descriptor, as Linux reports them (octal) in /proc/self/fdinfo."""
+    lines = Path(f"/proc/self/fdinfo/{fd}").read_text().splitlines()
+    return int(next(line for line in lines if line.startswith("flags:")).split()[1], 8)
+
+
+@pytest.mark.skipif(not hasattr(os, "O_DIRECT") or not Path("/proc/self/fdinfo").is_dir(), reason="Linux only")
+@pytest.mark.parametrize("direct", [True, False])
+def test_checksum_writer_streams_blocks_and_checksums_every_byte(tmp_path, monkeypatch, direct):
+    monkeypatch.setattr(checkpoint_writer, "_WRITE_BLOCK", 1 << 16)  # small blocks: many full ones and a tail
+    monkeypatch.setattr(checkpoint_writer, "_free_blocks", [])
+    if direct:
+        try:
+            os.close(os.open(tmp_path / "probe", os.O_WRONLY | os.O_CREAT | os.O_DIRECT))
+        except OSError:
+            pytest.skip(f"the filesystem of {tmp_path} has no direct I/O")
+    else:  # a filesystem without direct I/O rejects O_DIRECT with EINVAL
+        real_open = os.open
+
+        def no_direct(path, flags, *args):
+            if flags & os.O_DIRECT:
+                raise OSError(errno.EINVAL, "direct I/O not supported", str(path))
+            return real_open(path, flags, *args)
+        monkeypatch.setattr(os, "open", no_direct)
+    data = np.random.default_rng(0).integers(0, 256, 5 * (1 << 16) + 12345, dtype=np.uint8).tobytes()
+    chunks = [data[:7], data[7:200_007], np.frombuffer(data[200_007:], dtype=np.uint8), b""]
+    with ChecksumWriter(tmp_path / "f.bin") as writer:
+        assert bool(_open_flags(writer.fileno()) & os.O_DIRECT) == direct
+        for chunk in chunks:
+            writer.write(chunk)
+        assert writer.tell() == len(data)
+    assert (tmp_path / "f.bin").read_bytes() == data
+    assert writer.checksum() == {"bytes": len(data), "crc32": f"{zlib.crc32(data):08x}"}
 
 
 def test_nothing_to_resume_returns_none(tmp_path):
@@ -211,9 +270,9 @@ def test_keep_last_prunes_old_and_torn_checkpoints(tmp_path):
 
 def test_format_version_mismatch_is_rejected(tmp_path, monkeypatch):
     with monkeypatch.context() as patch:
-        patch.setattr(checkpoint, "FORMAT_VERSION", 99)
+        patch.setattr(checkpoint_files, "FORMAT_VERSION", 99)
         save_steps(tmp_path, "sync", [1])
-    with pytest.raises(CheckpointError, match="format version 99.* reads version 1"):
+    with pytest.raises(CheckpointError, match=f"format version 99.* reads version {checkpoint_files.FORMAT_VERSION}"):
         load(tmp_path)
 
 
@@ -342,6 +401,7 @@ def test_two_ranks_save_resume_on_three_and_one(tmp_path):
     check_resumed(0, 1, root, modes, tmp_path)  # this process, no process group
     expected = torch.load(tmp_path / "expected.pt", weights_only=True)
     for mode in modes.split(","):
+        assert_marker_matches_disk(step_dir(root / mode, 5))  # every rank's checksums reached the marker
         weights, extra = read_checkpoint(step_dir(root / mode, 5))  # consolidated without a process group
         assert all(torch.equal(weights[name], tensor) for name, tensor in expected["model"].items())
         assert extra["step"] == 5 and len(extra["rng"]) == 2

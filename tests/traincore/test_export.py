@@ -13,7 +13,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from traincore.checkpoint import Checkpointer, CheckpointError, TrainState, sha256_file, step_dir
+from traincore.checkpoint import Checkpointer, TrainState
+from traincore.checkpoint_files import CheckpointError, sha256_file, step_dir
 from traincore.config import CheckpointConfig, Config, ModelConfig
 from traincore.export import ExportError, export, load_exported, main
 from traincore.models import build_model, parameter_count

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from traincore.checkpoint import complete_steps
+from traincore.checkpoint_files import complete_steps
 from traincore.config import DataConfig
 from traincore.data import stage
 from traincore.export import export

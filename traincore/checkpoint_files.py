@@ -1,0 +1,219 @@
+"""The on-disk checkpoint format: step directories, per-file checksums, the commit marker, pruning, reading.
+
+Layout: ``<root>/step-000123/``. A ``sync`` checkpoint is one ``state.pt`` (torch.save of the full state).
+A ``dcp`` or ``async`` one is a torch.distributed.checkpoint directory (every rank its own ``.distcp``
+files, plus DCP's ``.metadata``) and ``extra.pt`` with everything that is not a tensor; only tensors go
+through DCP, so reading a checkpoint never unpickles anything outside ``torch.load(weights_only=True)``.
+
+A checkpoint counts only once complete: rank 0 writes ``commit.json`` last, after every rank's writes are
+done. It holds the format version, the world size and, for every other file in the directory, its size
+and CRC32. A directory without it is torn (a crash mid-save): resume skips it and pruning deletes it.
+
+Why CRC32 and not sha256: the marker guards against accidents (a torn or truncated write, bit flips on
+disk or in a copy), not against an attacker. The size catches truncation; CRC32 catches every error burst
+up to 32 bits and any other corruption with probability 1 - 2**-32. It is not a security hash: whoever can
+write a file can forge its CRC. The exported model, which leaves the run, keeps sha256 (traincore.export).
+
+Files are written by traincore.checkpoint_writer, which checksums them on their way to disk.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import re
+import shutil
+import warnings
+import zlib
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed.checkpoint as dcp
+
+FORMAT_VERSION = 2  # 2: per-file CRC32 in the commit marker (1: sha256)
+MARKER = "commit.json"
+STATE_FILE = "state.pt"  # sync: the whole state
+EXTRA_FILE = "extra.pt"  # dcp / async: the non-tensor state
+_STEP_NAME = re.compile(r"^step-(\d+)$")
+_BLOCK = 8 << 20  # read size when checksumming a file
+
+# Single-process DCP calls pass no_dist=True on purpose; DCP still warns on each of them.
+warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
+
+
+class CheckpointError(ValueError):
+    """A checkpoint is missing, corrupt or does not fit this run; the message says which and what to do."""
+
+
+class CorruptCheckpointError(CheckpointError):
+    """A file of a complete checkpoint is missing, truncated or fails its checksum."""
+
+
+# ---- step directories ----------------------------------------------------------------------------
+
+def step_dir(root: str | Path, step: int) -> Path:
+    """The directory of ``step`` under ``root``."""
+    return Path(root) / f"step-{step:06d}"
+
+
+def _step_dirs(root: str | Path) -> dict[int, Path]:
+    root = Path(root)
+    if not root.is_dir():
+        return {}
+    found = ((_STEP_NAME.match(p.name), p) for p in root.iterdir() if p.is_dir())
+    return {int(m.group(1)): p for m, p in found if m and p == step_dir(root, int(m.group(1)))}
+
+
+def complete_steps(root: str | Path) -> list[int]:
+    """Steps under ``root`` that have a commit marker, oldest first; needs no process group."""
+    return sorted(step for step, path in _step_dirs(root).items() if (path / MARKER).is_file())
+
+
+def latest_complete(root: str | Path) -> Path | None:
+    """The newest complete step directory under ``root``, or None."""
+    steps = complete_steps(root)
+    return step_dir(root, steps[-1]) if steps else None
+
+
+# ---- checksums and atomic publication ------------------------------------------------------------
+
+def sha256_file(path: str | Path) -> str:
+    """Hex sha256 of a file, read in 8 MiB blocks (exported models; checkpoints use CRC32)."""
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        while block := f.read(_BLOCK):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def checksum_entry(crc: int, num_bytes: int) -> dict:
+    """A file's line in the commit marker."""
+    return {"bytes": num_bytes, "crc32": f"{crc:08x}"}
+
+
+def file_checksum(path: str | Path) -> dict:
+    """Size and CRC32 of a file as the commit marker records them, read in 8 MiB blocks."""
+    crc, num_bytes, block = 0, 0, bytearray(_BLOCK)
+    with open(path, "rb", buffering=0) as f:
+        while n := f.readinto(block):
+            crc = zlib.crc32(memoryview(block)[:n], crc)
+            num_bytes += n
+    return checksum_entry(crc, num_bytes)
+
+
+def _fsync(path: str | Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def publish(tmp: str | Path, path: str | Path) -> None:
+    """Make ``tmp`` durable and rename it to ``path``: readers see the old file or the whole new one."""
+    _fsync(tmp)
+    os.replace(tmp, path)
+    _fsync(Path(path).parent)  # the rename itself
+
+
+def load_file(path: Path) -> Any:
+    """A torch.save file, memory-mapped, restricted to weights_only."""
+    return torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+
+
+# ---- the commit marker ---------------------------------------------------------------------------
+
+def write_marker(directory: Path, step: int, mode: str, world_size: int, checksums: dict[str, dict]) -> int:
+    """Write the commit marker; returns the checkpoint's bytes.
+
+    ``checksums`` holds the entries every rank computed while writing; a file without one (DCP's small
+    ``.metadata``, renamed after it was written) is read here. Entries of files that no longer exist
+    (``.metadata.tmp``) are left out: the directory is the truth.
+    """
+    paths = {p.relative_to(directory).as_posix(): p for p in sorted(directory.rglob("*"))
+             if p.is_file() and p.name != MARKER}
+    files = {name: checksums[name] if name in checksums else file_checksum(path) for name, path in paths.items()}
+    marker = {"format_version": FORMAT_VERSION, "step": step, "mode": mode, "world_size": world_size,
+              "format": "torch_save" if mode == "sync" else "dcp", "checksum": "crc32", "files": files}
+    tmp = directory / f".{MARKER}.tmp"
+    tmp.write_text(json.dumps(marker, indent=1))
+    publish(tmp, directory / MARKER)
+    return sum(entry["bytes"] for entry in files.values())
+
+
+def read_marker(directory: str | Path) -> dict:
+    """The commit marker of a step directory; CheckpointError when it is absent or unreadable."""
+    path = Path(directory) / MARKER
+    try:
+        marker = json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError) as exc:
+        raise CheckpointError(f"{directory} is not a complete checkpoint ({MARKER}: {exc}): "
+                              "pass a step directory written by traincore.checkpoint") from exc
+    if marker.get("format_version") != FORMAT_VERSION:
+        raise CheckpointError(
+            f"{directory} has checkpoint format version {marker.get('format_version')!r}, this code reads "
+            f"version {FORMAT_VERSION}: resume it with the code that wrote it, or use a fresh checkpoint root")
+    return marker
+
+
+def verify_checkpoint(directory: str | Path) -> None:
+    """Raise CorruptCheckpointError naming the first file whose size or CRC32 differs from the marker."""
+    directory = Path(directory)
+    for name, expected in read_marker(directory)["files"].items():
+        path = directory / name
+        size = path.stat().st_size if path.is_file() else None
+        if size != expected["bytes"]:
+            raise CorruptCheckpointError(f"checkpoint file {path} is missing or truncated: {size} bytes, the "
+                                         f"commit marker records {expected['bytes']}")
+        if file_checksum(path)["crc32"] != expected["crc32"]:
+            raise CorruptCheckpointError(f"checkpoint file {path} is corrupt: its CRC32 differs from the "
+                                         "commit marker")
+
+
+# ---- pruning -------------------------------------------------------------------------------------
+
+def remove_step(directory: Path) -> None:
+    """Delete a step directory, complete or torn."""
+    # The marker goes first: a crash half-way leaves a torn directory, never a complete-looking one.
+    (directory / MARKER).unlink(missing_ok=True)
+    shutil.rmtree(directory, ignore_errors=True)
+
+
+def prune(root: Path, keep_last: int) -> None:
+    """Keep the newest ``keep_last`` complete steps; delete older ones and torn ones older than the newest."""
+    complete = complete_steps(root)
+    if not complete:
+        return
+    torn_older = [s for s in _step_dirs(root) if s < complete[-1] and s not in complete]
+    for step in complete[:-keep_last] + torn_older:
+        remove_step(step_dir(root, step))
+
+
+# ---- reading a step directory in either format ---------------------------------------------------
+
+def read_extra(directory: Path, marker: dict) -> dict:
+    """The non-tensor state: step, meta, loader, scheduler, param groups, per-rank RNG."""
+    if marker["format"] == "torch_save":
+        return load_file(directory / STATE_FILE)["extra"]
+    return load_file(directory / EXTRA_FILE)
+
+
+def saved_model(directory: Path, marker: dict) -> dict[str, torch.Tensor]:
+    """Model tensors of a sync checkpoint, or empty tensors of the saved shapes for a DCP one."""
+    if marker["format"] == "torch_save":
+        return load_file(directory / STATE_FILE)["model"]
+    metadata = dcp.FileSystemReader(directory).read_metadata().state_dict_metadata
+    return {key.removeprefix("model."): torch.empty(md.size, dtype=md.properties.dtype)
+            for key, md in metadata.items() if key.startswith("model.")}
+
+
+def read_checkpoint(directory: str | Path) -> tuple[dict[str, torch.Tensor], dict]:
+    """Model weights and non-tensor state (step, meta, ...) of one step directory, in this process alone."""
+    directory = Path(directory)
+    marker = read_marker(directory)
+    model = saved_model(directory, marker)
+    if marker["format"] == "dcp":
+        dcp.load({"model": model}, checkpoint_id=directory, no_dist=True)
+    return model, read_extra(directory, marker)
