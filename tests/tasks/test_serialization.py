@@ -12,7 +12,7 @@ import tarfile
 from pathlib import Path
 
 import pytest
-from crd_schema import load_crd_schema, schema_errors  # noqa: I001  (tests/tasks helper)
+from crd_schema import load_crd_schema, schema_errors  # noqa: I001  (a module beside this file)
 from flyteidl.admin import launch_plan_pb2, task_pb2, workflow_pb2
 from flytekit.configuration import Image, ImageConfig, SerializationSettings
 from flytekit.core.context_manager import ExecutionState, FlyteContextManager
