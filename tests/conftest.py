@@ -33,6 +33,26 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             item.add_marker(skip)
 
 
+@pytest.fixture(scope="session", autouse=True)
+def isolated_user_cache(tmp_path_factory):
+    """Local stagings go under $XDG_CACHE_HOME (tasks.stage): keep the tests' out of the user's cache."""
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("XDG_CACHE_HOME", str(tmp_path_factory.mktemp("xdg-cache")))
+        yield
+
+
+@pytest.fixture(scope="module", autouse=True)
+def isolated_local_cache(tmp_path_factory):
+    """flytekit's local task cache in a temporary directory per module, never the user's ~/.flyte:
+    cache hits come from this module's runs only."""
+    from flytekit.core import local_cache
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(local_cache, "CACHE_LOCATION", str(tmp_path_factory.mktemp("flyte-local-cache")))
+        patch.setattr(local_cache.LocalTaskCache, "_initialized", False)
+        yield
+
+
 @pytest.fixture(scope="session")
 def synthetic_config() -> DataConfig:
     """The DataConfig behind ``synthetic_dir``."""
