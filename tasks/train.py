@@ -40,7 +40,6 @@ TRAIN_RETRIES = 3  # recoverable faults only (rendezvous timeouts, lost peers); 
 
 def train(config: Config, dataset: StagedDataset, checkpoint_root: str) -> TrainResult:
     """Train in one elastic worker process; global rank 0's return value becomes the task output."""
-    _use_wandb_secret(config)
     output = Path(flytekit.current_context().working_directory) / "run"
     try:
         summary = traincore.train.run(config, local_directory(dataset.directory), output,
@@ -102,6 +101,7 @@ class ElasticTrainTask(PytorchElasticFunctionTask):
 
     def execute(self, **kwargs):
         """Validate before any worker starts; keep checkpoints synced while the workers run."""
+        _use_wandb_secret(kwargs["config"])  # before validation, which checks the key; workers inherit the env
         traincore.train.validate(kwargs["config"], local_directory(kwargs["dataset"].directory))
         with synced_checkpoints(kwargs["checkpoint_root"]):
             try:

@@ -28,6 +28,7 @@ from traincore.data import Manifest
 from traincore.dist import DistContext, all_reduce_sum, distributed, tighten_timeout
 from traincore.loader import Batch, Normalizer, StagedLoader, StagedSplit, eval_batches
 from traincore.models import build_model, parameter_count
+from traincore.sinks import resolve_wandb_key
 from traincore.telemetry import Telemetry, setup_logging, training_flops_per_sample
 
 log = logging.getLogger(__name__)
@@ -164,6 +165,7 @@ def prepare(cfg: Config, data_dir: str | Path) -> Manifest:
     if cfg.loader.drop_last and train_count < cfg.loader.batch_size:
         raise ValueError(f"loader.batch_size={cfg.loader.batch_size} exceeds the {train_count} training samples "
                          f"in {data_dir}: lower loader.batch_size")
+    resolve_wandb_key(cfg.telemetry.wandb_mode)  # online mode without a key fails here, not in a worker
     if cfg.model.name == "vit_b_16" and manifest.shape[1] % 16:
         raise ValueError(f"model.name='vit_b_16' needs an image size divisible by 16; {data_dir} is staged at "
                          f"{manifest.shape[1]}: stage again with a multiple of 16")
@@ -190,6 +192,11 @@ def train(cfg: Config, data_dir: str | Path, output_dir: str | Path,
                               seed=cfg.train.seed, device=ctx.device)
         steps = total_steps(cfg, loader.steps_per_epoch)
         state = build_state(cfg, manifest, loader, ctx, steps)
+        flops = training_flops_per_sample(build_model(cfg.model, manifest.num_classes, manifest.shape),
+                                          manifest.shape)
+        telemetry = Telemetry(cfg.telemetry, output, rank=ctx.rank, world_size=ctx.world_size,
+                              run_config=cfg.to_dict(), total_steps=steps,
+                              global_batch_size=loader.global_batch_size, flops_per_sample=flops, device=ctx.device)
         seed_everything(cfg.train.seed + ctx.rank)  # per-rank streams (dropout); a resume restores saved ones
         checkpointer = Checkpointer(ckpt_root, cfg.checkpoint, ctx.rank, ctx.world_size)
         resumed = None
@@ -199,11 +206,6 @@ def train(cfg: Config, data_dir: str | Path, output_dir: str | Path,
         log.info("training %s (%s parameters) on %s for %d steps, %d per epoch, global batch %d%s",
                  cfg.model.name, f"{parameter_count(state.model):,}", ctx.device, steps, loader.steps_per_epoch,
                  loader.global_batch_size, f", resumed from step {resumed} in {ckpt_root}" if resumed else "")
-        flops = training_flops_per_sample(build_model(cfg.model, manifest.num_classes, manifest.shape),
-                                          manifest.shape)
-        telemetry = Telemetry(cfg.telemetry, output, rank=ctx.rank, world_size=ctx.world_size,
-                              run_config=cfg.to_dict(), total_steps=steps,
-                              global_batch_size=loader.global_batch_size, flops_per_sample=flops, device=ctx.device)
         profiler = ProfilerWindow(cfg.train.profile_window(), output, ctx.rank)
         gc.disable()  # a full collection mid-step costs more than the garbage it frees; collect on our schedule
         try:

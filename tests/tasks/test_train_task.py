@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import flytekit
 import pytest
 from flytekit.exceptions.user import FlyteRecoverableException
 from flytekit.tools.module_loader import load_object_from_module
@@ -85,3 +86,20 @@ def test_resolver_rebuilds_the_same_task_from_its_command():
 def test_backends_without_a_train_task_are_refused():
     with pytest.raises(ValueError, match="backend='slurm' has no train task yet"):
         train_task_for(Topology(backend="slurm"), preset("digits"))
+
+
+def test_mounted_wandb_secret_reaches_validation_and_workers(tmp_path, monkeypatch):
+    from tasks.train import WANDB_SECRET, _use_wandb_secret
+    from traincore.sinks import resolve_wandb_key
+
+    secret = tmp_path / WANDB_SECRET.group / WANDB_SECRET.key
+    secret.parent.mkdir()
+    secret.write_text("k3y-from-the-mounted-secret\n")
+    # Where Flyte mounts file secrets in a pod (FLYTE_SECRETS_DEFAULT_DIR, read once at start-up).
+    monkeypatch.setattr(flytekit.current_context().secrets, "_base_dir", str(tmp_path))
+    monkeypatch.delenv("WANDB_API_KEY", raising=False)
+    monkeypatch.delenv("WANDB_API_KEY_FILE", raising=False)
+    with pytest.raises(ValueError, match="needs a W&B API key"):
+        resolve_wandb_key("online")
+    _use_wandb_secret(preset("digits").with_overrides({"telemetry.wandb_mode": "online"}))
+    assert resolve_wandb_key("online") == "k3y-from-the-mounted-secret"
