@@ -22,7 +22,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from traincore.autotune import autotune
-from traincore.checkpoint import Checkpointer, TrainState
+from traincore.checkpoint import Checkpointer, TrainState, unwrap_model
 from traincore.config import Config
 from traincore.data import Manifest
 from traincore.dist import DistContext, all_reduce_sum, distributed, tighten_timeout
@@ -192,8 +192,7 @@ def train(cfg: Config, data_dir: str | Path, output_dir: str | Path,
                               seed=cfg.train.seed, device=ctx.device)
         steps = total_steps(cfg, loader.steps_per_epoch)
         state = build_state(cfg, manifest, loader, ctx, steps)
-        flops = training_flops_per_sample(build_model(cfg.model, manifest.num_classes, manifest.shape),
-                                          manifest.shape)
+        flops = training_flops_per_sample(unwrap_model(state.model), manifest.shape)  # meta tensors: no copy
         telemetry = Telemetry(cfg.telemetry, output, rank=ctx.rank, world_size=ctx.world_size,
                               run_config=cfg.to_dict(), total_steps=steps,
                               global_batch_size=loader.global_batch_size, flops_per_sample=flops, device=ctx.device)
