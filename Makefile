@@ -3,7 +3,7 @@ PY ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 
-.PHONY: run test bench lint clean install install-dev
+.PHONY: run test bench lint docs clean install install-dev
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
@@ -34,6 +34,10 @@ bench: install
 
 lint: install-dev
 	$(BIN)/ruff check traincore tasks workflows tests bench
+
+# The README's config table, generated from the field docstrings in traincore/config.py.
+docs: install
+	$(BIN)/python -m traincore.config_doc --write README.md
 
 clean:
 	rm -rf runs .pytest_cache

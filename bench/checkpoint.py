@@ -2,11 +2,13 @@
 
 A stack of square nn.Linear layers (``--params``, default 100M) trained with AdamW gives a ~1.2 GB state.
 Each mode saves ``--repeats`` times with training steps in between (for async, enough to cover one
-write, so that it overlaps with compute). Blocking seconds = training stalled inside save(); total
+write, so that it overlaps with compute). The state goes through the same StateRegistry the trainer builds.
+Blocking seconds = training stalled inside save(); total
 seconds = from save() until the commit marker exists. The disk limit is measured in the same run: the
 faster of two fsync'd sequential writes of the same byte count to the same directory, one through the
 page cache and one with direct I/O. Targets: async blocking <= 1/20 of sync; write throughput >= 50% of
-the disk limit.
+the disk limit. It also prints what torch.save's own zip CRC32 costs: we keep it on, since turning it off
+(torch.serialization.set_crc32_options) would change every torch.save in the process, a user's too.
 
     python bench/checkpoint.py [--params 100M] [--dir DIR] [--repeats 3]
 """
@@ -27,8 +29,10 @@ import numpy as np
 import torch
 from torch import nn
 
-from traincore.checkpoint import Checkpointer, TrainState
+from traincore.checkpoint import Checkpointer
+from traincore.checkpoint_writer import ChecksumWriter
 from traincore.config import CHECKPOINT_MODES, CheckpointConfig
+from traincore.state import Progress, training_registry
 
 WIDTH = 4096
 BATCH = 8
@@ -53,16 +57,26 @@ def parse_count(text: str) -> int:
     try:
         return int(float(text[:-1] if scale > 1 else text) * scale)
     except ValueError:
-        raise argparse.ArgumentTypeError(f"--params {text!r} is not a count: write e.g. 100M or 50000000") from None
+        raise argparse.ArgumentTypeError(f"--params {text!r} is not a count: write e.g. 100M or 50000000"
+                                         ) from None
+
+
+class TrainState:
+    """A Linear stack with AdamW, registered in a StateRegistry as the trainer registers its parts."""
+
+    def __init__(self, params: int):
+        layers = max(1, math.ceil(params / (WIDTH * WIDTH + WIDTH)))
+        self.model = nn.Sequential(*(nn.Linear(WIDTH, WIDTH) for _ in range(layers)))
+        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=1e-4)
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lambda step: 1.0)
+        self.loader, self.progress = CountingLoader(), Progress()
+        self.registry = training_registry(self.model, self.optimizer, self.scheduler, self.loader,
+                                          self.progress, meta={})
 
 
 def build_state(params: int) -> TrainState:
-    """A Linear stack of about ``params`` parameters, gradients and AdamW state already allocated."""
-    layers = max(1, math.ceil(params / (WIDTH * WIDTH + WIDTH)))
-    model = nn.Sequential(*(nn.Linear(WIDTH, WIDTH) for _ in range(layers)))
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0)
-    state = TrainState(model, optimizer, scheduler, CountingLoader())
+    """About ``params`` parameters, gradients and AdamW state already allocated."""
+    state = TrainState(params)
     train(state, 2)  # the first steps allocate gradients and optimizer state
     return state
 
@@ -76,7 +90,7 @@ def train(state: TrainState, steps: int) -> None:
         state.optimizer.zero_grad(set_to_none=False)  # keeps gradients allocated: no page faults per step
         state.scheduler.step()
         state.loader.consumed += BATCH
-        state.step += 1
+        state.progress.step += 1
 
 
 def state_bytes(state: TrainState) -> int:
@@ -86,7 +100,7 @@ def state_bytes(state: TrainState) -> int:
 
 
 def write_seconds(path: Path, block: mmap.mmap, num_bytes: int, direct: bool) -> float:
-    """Seconds for an fsync'd sequential write of ``num_bytes`` (rounded up to whole blocks for direct I/O)."""
+    """Seconds for an fsync'd sequential write of ``num_bytes`` (whole blocks for direct I/O)."""
     flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC | (os.O_DIRECT if direct else 0)
     view = memoryview(block)
     start = time.perf_counter()
@@ -123,12 +137,12 @@ def run_mode(state: TrainState, mode: str, directory: Path, repeats: int, steps_
     Blocking is timed around save() alone: an async save still in flight at the next save is waited
     for inside that save(), so a write slower than the training in between shows up as blocking.
     """
-    checkpointer = Checkpointer(directory / mode, CheckpointConfig(mode=mode, keep_last=1))
+    checkpointer = Checkpointer(directory / mode, CheckpointConfig(mode=mode, keep_last=1), state.registry)
     blocking, committed = [], {}
     for _ in range(repeats):
         train(state, steps_between)
         start = time.perf_counter()
-        checkpointer.save(state)
+        checkpointer.save(state.progress.step)
         blocking.append(time.perf_counter() - start)
         if checkpointer.last_save is not None:  # async: the previous save, committed inside this save()
             committed[checkpointer.last_save.step] = checkpointer.last_save
@@ -152,8 +166,8 @@ def steady(values: list[float]) -> float:
 def report(results: dict[str, dict], disk_gbps: float) -> None:
     """Print the table and the two target ratios."""
     sync_blocking = steady(results["sync"]["blocking"])
-    print(f"{'mode':<6} {'steps':>5} {'first blk s':>11} {'steady blk s':>12} {'total s':>8} {'GB':>5} {'GB/s':>6} "
-          f"{'blk/sync':>9} {'GB/s / disk':>12}")
+    print(f"{'mode':<6} {'steps':>5} {'first blk s':>11} {'steady blk s':>12} {'total s':>8} {'GB':>5} "
+          f"{'GB/s':>6} {'blk/sync':>9} {'GB/s / disk':>12}")
     for mode, r in results.items():
         r["gbps"] = r["bytes"] / median_total(r) / 1e9
         print(f"{mode:<6} {r['steps']:>5} {r['blocking'][0]:>11.3f} {steady(r['blocking']):>12.3f} "
@@ -176,9 +190,10 @@ def measure(directory: Path, params: int, repeats: int) -> None:
     start = time.perf_counter()
     train(state, 2)
     step_s = (time.perf_counter() - start) / 2
-    print(f"{params / 1e6:.0f}M parameters requested, {sum(p.numel() for p in state.model.parameters()) / 1e6:.1f}M "
-          f"built, state {nbytes / 1e9:.2f} GB, step {step_s:.2f} s; torch {torch.__version__}, "
-          f"{torch.get_num_threads()} threads, dir {directory}")
+    built = sum(p.numel() for p in state.model.parameters()) / 1e6
+    print(f"{params / 1e6:.0f}M parameters requested, {built:.1f}M built, state {nbytes / 1e9:.2f} GB, "
+          f"step {step_s:.2f} s; torch {torch.__version__}, {torch.get_num_threads()} threads, "
+          f"dir {directory}")
     disk_limit(directory, nbytes)  # warm-up: a VM's first large write also pays for touching fresh memory
     # The disk's speed drifts (shared host, writeback): sample it next to every mode, use the median.
     disk, results = [], {}
@@ -196,11 +211,37 @@ def measure(directory: Path, params: int, repeats: int) -> None:
     disk_gbps = nbytes / statistics.median(min(d.values()) for d in disk) / 1e9
     print(f"disk limit (median of the faster way per sample): {disk_gbps:.3f} GB/s")
     report(results, disk_gbps)
+    zip_crc_cost(state, directory, nbytes)
+
+
+def zip_crc_cost(state: TrainState, directory: Path, nbytes: int) -> None:
+    """Seconds torch.save spends on its zip records' CRC32, measured by saving with it on and off.
+
+    The switch is flipped here, in the benchmark's own process, only to measure it; the library keeps it on.
+    """
+    payload = state.registry.shared_state()  # what a sync save writes
+    seconds = {}
+    previous = torch.serialization.get_crc32_options()
+    try:
+        for crc in (True, False, True, False):
+            torch.serialization.set_crc32_options(crc)
+            start = time.perf_counter()
+            with ChecksumWriter(directory / "zip-crc.pt") as writer:
+                torch.save(payload, writer)
+            seconds.setdefault(crc, []).append(time.perf_counter() - start)
+    finally:
+        torch.serialization.set_crc32_options(previous)
+        (directory / "zip-crc.pt").unlink(missing_ok=True)
+    on, off = min(seconds[True]), min(seconds[False])
+    gb = nbytes / 1e9
+    print(f"torch.save zip CRC32 (kept on): {on:.3f} s with it, {off:.3f} s without, for {gb:.2f} GB: "
+          f"{(on - off) / gb:.3f} s per GB, {on / off - 1:+.0%} on a sync save")
 
 
 def main(argv: list[str] | None = None) -> None:
     """Parse arguments and run the measurement in a temporary directory."""
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--params", type=parse_count, default=100_000_000, help="model parameters, e.g. 100M")
     parser.add_argument("--dir", type=Path, default=None, help="where to write (default: runs/ or /tmp)")
     parser.add_argument("--repeats", type=int, default=3, help="saves per mode")

@@ -30,8 +30,8 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a script from a source checkout
 
 from traincore.config import DataConfig, LoaderConfig  # noqa: E402
-from traincore.data import stage  # noqa: E402
 from traincore.loader import StagedLoader, StagedSplit  # noqa: E402
+from traincore.stage import stage  # noqa: E402
 
 GENERATE_CHUNK = 500  # images per generation task
 COMPLETE = ".complete"  # written last: a folder without it is regenerated
@@ -44,13 +44,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--size", type=int, default=64, help="square image side in pixels")
     parser.add_argument("--classes", type=int, default=10)
     parser.add_argument("--naive-samples", type=int, default=3000, help="samples timed for the naive loader")
-    parser.add_argument("--rounds", type=int, default=8, help="timed epochs / copies per row (the best counts)")
+    parser.add_argument("--rounds", type=int, default=8,
+                        help="timed epochs / copies per row (the best counts)")
     args = parser.parse_args(argv)
     for name in ("images", "size", "classes", "naive_samples", "rounds"):
         if getattr(args, name) < 1:
             parser.error(f"--{name.replace('_', '-')}={getattr(args, name)} must be >= 1")
     if args.images < 10 * args.classes:
-        parser.error(f"--images={args.images} is too few for {args.classes} classes: use >= {10 * args.classes}")
+        parser.error(f"--images={args.images} is too few for {args.classes} classes: "
+                     f"use >= {10 * args.classes}")
     return args
 
 
@@ -168,8 +170,8 @@ def main(argv: list[str] | None = None) -> None:
         split = StagedSplit(staged, "train")
         loader = StagedLoader(split, LoaderConfig())
         rows = {"naive": naive_rate(root, args.naive_samples)}
-        rows |= best_rates({"staged": lambda: drain(loader.host_batches()), "staged+cpu": lambda: drain(loader),
-                            "memcpy": memcpy_pass(split)}, args.rounds)
+        rows |= best_rates({"staged": lambda: drain(loader.host_batches()),
+                            "staged+cpu": lambda: drain(loader), "memcpy": memcpy_pass(split)}, args.rounds)
         load = ", ".join(f"{x:.1f}" for x in os.getloadavg())
         print(f"train split: {len(split)} samples of {split.manifest.sample_bytes} bytes; naive: "
               f"{args.naive_samples} samples; others: best of {args.rounds} full passes; load average {load}")

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-from dataclasses import asdict
-
 import flytekit
 from flytekit import Resources, task
 from flytekit.deck import DeckField
@@ -11,8 +9,7 @@ from flytekit.deck import DeckField
 from tasks.report import confusion_png, curves_png, figure_html, read_metrics
 from tasks.storage import local_directory
 from tasks.types import EvalReport, ModelArtifact, StagedDataset, TrainResult
-from traincore.evaluate import EvalResult, format_result
-from traincore.evaluate import evaluate as evaluate_split
+from traincore.evaluate import EvalResult, evaluate, format_result
 
 TEST_SPLIT = "test"
 
@@ -31,12 +28,12 @@ def deck_html(result: EvalResult, metrics: list[dict]) -> str:
 # Input and output only: the default Dependencies field runs `pip freeze` on every execution (seconds).
 @task(enable_deck=True, deck_fields=(DeckField.INPUT, DeckField.OUTPUT), retries=2,
       requests=Resources(cpu="2", mem="4Gi"))
-def evaluate(model: ModelArtifact, dataset: StagedDataset, trained: TrainResult) -> EvalReport:
-    """ModelArtifact + the test split -> EvalReport, with a Deck of the training curves and confusion matrix."""
+def evaluate_model(model: ModelArtifact, dataset: StagedDataset, trained: TrainResult) -> EvalReport:
+    """ModelArtifact + the test split -> EvalReport, with a Deck of training curves and confusion matrix."""
     weights = local_directory(model.directory) / model.weights_file
-    result = evaluate_split(weights, local_directory(dataset.directory), TEST_SPLIT)
+    result = evaluate(weights, local_directory(dataset.directory), TEST_SPLIT)
     metrics_file = local_directory(trained.logs) / "metrics.jsonl"
     metrics = read_metrics(metrics_file) if metrics_file.is_file() else []
     flytekit.Deck("Evaluation", deck_html(result, metrics))
-    print(f"evaluate: {format_result(result)}", flush=True)
-    return EvalReport(**asdict(result), model_sha256=model.sha256)
+    print(f"evaluate_model: {format_result(result)}", flush=True)
+    return EvalReport(result=result, model_sha256=model.export.sha256)

@@ -12,13 +12,11 @@ from typing import Any, NamedTuple
 from flytekit import task
 from flytekit.core.context_manager import FlyteContextManager
 
+from tasks.backends import BACKENDS, PLANNED_BACKENDS
 from tasks.storage import is_uri, local_path
-from tasks.train import ELASTIC_BACKENDS
 from tasks.types import Topology
-from traincore.config import Config, ConfigError, DataConfig, parse_source, preset
-
-SUPPORTED_BACKENDS = ELASTIC_BACKENDS
-PLANNED_BACKENDS = ("slurm",)  # accepted by name so the error can say it is coming, not that it is unknown
+from traincore.config import Config, ConfigError, DataConfig, parse_source
+from traincore.presets import preset
 
 
 class LaunchInputError(ValueError):
@@ -67,16 +65,16 @@ def check_topology(topology: Topology, local_run: bool) -> None:
     backend = topology.backend
     if backend in PLANNED_BACKENDS:
         raise LaunchInputError(f"input backend={backend!r} is not yet supported: use one of "
-                               f"{', '.join(SUPPORTED_BACKENDS)} (Slurm support is planned)")
-    if backend not in SUPPORTED_BACKENDS:
-        raise LaunchInputError(f"input backend={backend!r} is unknown: use one of {', '.join(SUPPORTED_BACKENDS)}")
+                               f"{', '.join(BACKENDS)} (Slurm support is planned)")
+    if backend not in BACKENDS:
+        raise LaunchInputError(f"input backend={backend!r} is unknown: use one of {', '.join(BACKENDS)}")
     for name, low in (("nnodes", 1), ("nproc_per_node", 1), ("gpus_per_node", 0), ("max_restarts", 0)):
         value = getattr(topology, name)
         if value < low:
             raise LaunchInputError(f"input {name}={value} is invalid: it must be >= {low}")
     if topology.nnodes > 1 and backend == "local":
-        raise LaunchInputError(f"input nnodes={topology.nnodes} needs backend='kubernetes': backend='local' runs "
-                               "every process on this machine; set nnodes=1")
+        raise LaunchInputError(f"input nnodes={topology.nnodes} needs backend='kubernetes': backend='local' "
+                               "runs every process on this machine; set nnodes=1")
     if topology.nnodes > 1 and local_run:
         raise LaunchInputError(f"input nnodes={topology.nnodes} needs a Flyte cluster: launch with "
                                "`pyflyte run --remote ...`, or set nnodes=1 to train here")
@@ -97,9 +95,9 @@ def check_checkpoint_root(cfg: Config, topology: Topology, checkpoint_uri: str) 
         return
     if cfg.checkpoint.mode != "sync":
         raise LaunchInputError(
-            f"checkpoint.mode={cfg.checkpoint.mode!r} with nnodes={topology.nnodes} writes one part per rank, so "
-            "it needs checkpoint_uri on a filesystem every node mounts; with an object-store root set "
-            '\'{"checkpoint": {"mode": "sync"}}\' in config_overrides')
+            f"checkpoint.mode={cfg.checkpoint.mode!r} with nnodes={topology.nnodes} writes one part per "
+            "rank, so it needs checkpoint_uri on a filesystem every node mounts; with an object-store root "
+            'set \'{"checkpoint": {"mode": "sync"}}\' in config_overrides')
     if topology.max_restarts:
         raise LaunchInputError(
             f"input max_restarts={topology.max_restarts} with nnodes={topology.nnodes} and an object-store "
@@ -120,8 +118,9 @@ def plan_run(source: str, preset: str, config_overrides: str, epochs: int, max_s
     """Validate the launch inputs and resolve them into the run's Config and Topology."""
     cfg = build_config(preset, config_overrides, source, epochs, max_steps)
     check_source(cfg.data.source)
-    topology = Topology(backend=backend, nnodes=nnodes, nproc_per_node=nproc_per_node, gpus_per_node=gpus_per_node,
-                        accelerator=accelerator, max_restarts=max_restarts, rdzv_timeout_s=cfg.dist.init_timeout_s)
+    topology = Topology(backend=backend, nnodes=nnodes, nproc_per_node=nproc_per_node,
+                        gpus_per_node=gpus_per_node, accelerator=accelerator, max_restarts=max_restarts,
+                        rdzv_timeout_s=cfg.dist.init_timeout_s)
     local_run = FlyteContextManager.current_context().execution_state.is_local_execution()
     check_topology(topology, local_run)
     check_checkpoint_root(cfg, topology, checkpoint_uri)

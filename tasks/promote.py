@@ -24,7 +24,8 @@ def decide(accuracy: float, threshold: float, baseline_accuracy: float) -> tuple
 def promotion_gate(report: EvalReport, model: ModelArtifact, threshold: float,
                    baseline_accuracy: float) -> Promotion:
     """Mark ``model`` promoted when its test accuracy is >= threshold and >= the baseline's."""
-    promoted, reason = decide(report.accuracy, threshold, baseline_accuracy)
+    accuracy = report.result.accuracy
+    promoted, reason = decide(accuracy, threshold, baseline_accuracy)
     print(f"promotion_gate: {'PROMOTED' if promoted else 'not promoted'}: {reason}", flush=True)
-    return Promotion(promoted=promoted, reason=reason, accuracy=report.accuracy, threshold=threshold,
+    return Promotion(promoted=promoted, reason=reason, accuracy=accuracy, threshold=threshold,
                      baseline_accuracy=baseline_accuracy, model=model)

@@ -47,8 +47,8 @@ def curves_png(records: list[dict]) -> bytes | None:
     if not series:
         return None
     figure, axes = plt.subplots(1, len(series), figsize=(4 * len(series), 3.2), squeeze=False)
-    for axis, (title, points) in zip(axes[0], series):
-        steps, values = zip(*points)
+    for axis, (title, points) in zip(axes[0], series, strict=True):
+        steps, values = zip(*points, strict=True)
         axis.plot(steps, values, marker="." if len(points) < 30 else None)
         axis.set_title(title)
         axis.set_xlabel("step")
@@ -78,4 +78,5 @@ def confusion_png(confusion: list[list[int]], classes: list[str]) -> bytes:
 def figure_html(title: str, png: bytes) -> str:
     """An HTML section with ``png`` embedded as a data URI, so the Deck needs no other file."""
     data = base64.b64encode(png).decode("ascii")
-    return f'<h3>{html.escape(title)}</h3>\n<img alt="{html.escape(title)}" src="data:image/png;base64,{data}"/>'
+    title = html.escape(title)
+    return f'<h3>{title}</h3>\n<img alt="{title}" src="data:image/png;base64,{data}"/>'

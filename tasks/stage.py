@@ -11,11 +11,11 @@ from pathlib import Path
 import flytekit
 from flytekit import Resources, task
 from flytekit.core.context_manager import FlyteContextManager
-from flytekit.types.directory import FlyteDirectory
 
 from tasks.types import StagedDataset
 from traincore.config import DataConfig
-from traincore.data import FORMAT_VERSION, directory_bytes, stage, staging_key, summary
+from traincore.data import FORMAT_VERSION
+from traincore.stage import directory_bytes, stage, staging_key, summary
 
 # The cache key is (task, this version, the DataConfig); a new staging format must never reuse old bytes.
 STAGING_CACHE_VERSION = f"staging-format-{FORMAT_VERSION}"
@@ -42,8 +42,6 @@ def stage_dataset(data: DataConfig) -> StagedDataset:
     output = staging_directory(data)
     start = time.perf_counter()
     manifest = stage(data, output)
-    mib = directory_bytes(output) / 2**20
-    print(f"stage_dataset: {summary(manifest)} ({mib:.1f} MiB in {time.perf_counter() - start:.1f} s)", flush=True)
-    return StagedDataset(directory=FlyteDirectory(str(output)), source=manifest.source, classes=manifest.classes,
-                         shape=list(manifest.shape), counts={name: s.count for name, s in manifest.splits.items()},
-                         format_version=manifest.format_version)
+    mib, seconds = directory_bytes(output) / 2**20, time.perf_counter() - start
+    print(f"stage_dataset: {summary(manifest)} ({mib:.1f} MiB in {seconds:.1f} s)", flush=True)
+    return StagedDataset.from_manifest(output, manifest)

@@ -41,7 +41,8 @@ def local_directory(directory: FlyteDirectory) -> Path:
         if not target.is_dir():
             partial = target.with_name(f"{target.name}.partial")
             shutil.rmtree(partial, ignore_errors=True)
-            FlyteContextManager.current_context().file_access.get_data(source, str(partial), is_multipart=True)
+            FlyteContextManager.current_context().file_access.get_data(source, str(partial),
+                                                                       is_multipart=True)
             partial.rename(target)
     return target
 

@@ -26,35 +26,32 @@ from flytekitplugins.kfpytorch import CleanPodPolicy, Elastic, RunPolicy
 from flytekitplugins.kfpytorch.task import PytorchElasticFunctionTask
 from torch.distributed.elastic.rendezvous.api import RendezvousError
 
-import traincore.train
+from tasks.backends import ELASTIC_BACKENDS
 from tasks.mirror import local_checkpoint_root, synced_checkpoints
 from tasks.storage import is_uri, local_directory
 from tasks.types import StagedDataset, Topology, TrainResult
 from traincore.config import Config
+from traincore.train import Trainer, format_summary, preflight
 
 WANDB_SECRET = Secret(group="wandb", key="api_key", mount_requirement=Secret.MountType.FILE)
 CPU_PER_PROCESS, MEM_GIB_PER_PROCESS = 2, 6
-ELASTIC_BACKENDS = ("local", "kubernetes")  # both run the Elastic task below
 TRAIN_RETRIES = 3  # recoverable faults only (rendezvous timeouts, lost peers); user errors fail at once
 
 
-def train(config: Config, dataset: StagedDataset, checkpoint_root: str) -> TrainResult:
+def train_model(config: Config, dataset: StagedDataset, checkpoint_root: str) -> TrainResult:
     """Train in one elastic worker process; global rank 0's return value becomes the task output."""
     output = Path(flytekit.current_context().working_directory) / "run"
     try:
-        summary = traincore.train.run(config, local_directory(dataset.directory), output,
-                                      local_checkpoint_root(checkpoint_root))
+        summary = Trainer(config, local_directory(dataset.directory), output,
+                          local_checkpoint_root(checkpoint_root)).train()
     except dist.DistError as exc:  # a peer vanished or the store timed out: infrastructure, worth a retry
         raise FlyteRecoverableException(f"distributed training failed transiently: {exc}") from exc
     if int(os.environ.get("RANK", "0")) == 0:
-        print(f"train: {traincore.train.format_summary(summary)}; TensorBoard: tensorboard --logdir "
+        print(f"train: {format_summary(summary)}; TensorBoard: tensorboard --logdir "
               f"{Path(summary.output_dir) / 'tensorboard'}", flush=True)
-    return TrainResult(
-        checkpoints=FlyteDirectory(checkpoint_root if is_uri(checkpoint_root) else summary.checkpoint_dir),
-        logs=FlyteDirectory(summary.output_dir), steps=summary.steps, samples_per_s=summary.samples_per_s,
-        data_wait_share=summary.data_wait_share, final_loss=summary.final_loss,
-        val_accuracy=summary.val_accuracy, resumed_from=summary.resumed_from,
-        world_size=int(os.environ.get("WORLD_SIZE", "1")), wall_s=summary.wall_s)
+    checkpoints = checkpoint_root if is_uri(checkpoint_root) else summary.checkpoint_dir
+    return TrainResult(checkpoints=FlyteDirectory(checkpoints), logs=FlyteDirectory(summary.output_dir),
+                       summary=summary)
 
 
 def _use_wandb_secret(config: Config) -> None:
@@ -80,7 +77,7 @@ class ElasticTrainTask(PytorchElasticFunctionTask):
                 # read_timeout too: the c10d store's 60 s default is shorter than a slow pod's start-up.
                 rdzv_configs={"timeout": timeout, "join_timeout": timeout, "read_timeout": timeout},
                 run_policy=RunPolicy(clean_pod_policy=CleanPodPolicy.ALL) if topology.nnodes > 1 else None),
-            task_function=train, shared_memory=True,
+            task_function=train_model, shared_memory=True,
             metadata=TaskMetadata(retries=TRAIN_RETRIES),
             requests=Resources(cpu=str(CPU_PER_PROCESS * topology.nproc_per_node),
                                mem=f"{MEM_GIB_PER_PROCESS * topology.nproc_per_node}Gi",
@@ -101,8 +98,8 @@ class ElasticTrainTask(PytorchElasticFunctionTask):
 
     def execute(self, **kwargs):
         """Validate before any worker starts; keep checkpoints synced while the workers run."""
-        _use_wandb_secret(kwargs["config"])  # before validation, which checks the key; workers inherit the env
-        traincore.train.validate(kwargs["config"], local_directory(kwargs["dataset"].directory))
+        _use_wandb_secret(kwargs["config"])  # before validation checks the key; workers inherit the env
+        preflight(kwargs["config"], local_directory(kwargs["dataset"].directory))
         with synced_checkpoints(kwargs["checkpoint_root"]):
             try:
                 return super().execute(**kwargs)
@@ -139,10 +136,9 @@ def task_key(topology: Topology, wandb_secret: bool) -> str:
 
 
 def train_task_for(topology: Topology, config: Config) -> ElasticTrainTask:
-    """The train task for ``topology.backend``: the one place where a new backend (Slurm) plugs in."""
-    if topology.backend not in ELASTIC_BACKENDS:
-        raise ValueError(f"backend={topology.backend!r} has no train task yet; use one of "
-                         f"{', '.join(ELASTIC_BACKENDS)}")
+    """The train task for ``topology.backend`` (checked by plan_run): where a new backend (Slurm) plugs in."""
+    assert topology.backend in ELASTIC_BACKENDS, (
+        f"plan_run admits only known backends, got {topology.backend!r}")
     return _task_from_key(task_key(topology, config.telemetry.wandb_mode == "online"))
 
 

@@ -1,21 +1,28 @@
 """Typed values that cross task boundaries: plain dataclasses of primitives, FlyteFile and FlyteDirectory.
 
-No live object (model, loader, process group) ever leaves a task; these records are what the Flyte UI
-shows and what a later task or a promotion gate reads.
+No live object (model, loader, process group) ever leaves a task. Where traincore already has a record for
+a concept (TrainSummary, ExportResult, EvalResult), the Flyte value holds it as one field next to the Flyte
+directories, so each concept has one record and one conversion.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
 
 from flytekit.types.directory import FlyteDirectory
+
+from traincore.data import Manifest
+from traincore.evaluate import EvalResult
+from traincore.export import ExportResult
+from traincore.train import TrainSummary
 
 
 @dataclass
 class Topology:
     """Where and how wide training runs: chosen at launch time, never by editing code."""
 
-    backend: str = "local"  # local | kubernetes (slurm is planned)
+    backend: str = "local"  # one of tasks.backends.BACKENDS
     nnodes: int = 1
     nproc_per_node: int = 2
     gpus_per_node: int = 0
@@ -35,21 +42,23 @@ class StagedDataset:
     counts: dict[str, int]  # samples per split
     format_version: int
 
+    @classmethod
+    def from_manifest(cls, directory: str | Path | FlyteDirectory, manifest: Manifest) -> StagedDataset:
+        """The one conversion from a staged directory's manifest."""
+        if not isinstance(directory, FlyteDirectory):
+            directory = FlyteDirectory(str(directory))
+        return cls(directory=directory, source=manifest.source, classes=list(manifest.classes),
+                   shape=list(manifest.shape), counts={name: s.count for name, s in manifest.splits.items()},
+                   format_version=manifest.format_version)
+
 
 @dataclass
 class TrainResult:
-    """Rank 0's account of a training run: the checkpoint root, the logs and the final metrics."""
+    """Rank 0's account of a training run: the checkpoint root, the logs and the run summary."""
 
     checkpoints: FlyteDirectory  # step-000123/ directories; the latest complete one is the model
     logs: FlyteDirectory  # metrics.jsonl and tensorboard/
-    steps: int
-    samples_per_s: float
-    data_wait_share: float
-    final_loss: float
-    val_accuracy: float | None
-    resumed_from: int | None
-    world_size: int
-    wall_s: float
+    summary: TrainSummary
 
 
 @dataclass
@@ -57,26 +66,19 @@ class ModelArtifact:
     """An exported model: one directory holding the safetensors weights and the model config JSON."""
 
     directory: FlyteDirectory
-    weights_file: str  # file names inside ``directory``
-    config_file: str
-    sha256: str  # of the weights file
-    num_bytes: int
-    step: int
-    num_parameters: int
+    export: ExportResult  # paths in it are the exporting task's; file names are valid inside ``directory``
+
+    @property
+    def weights_file(self) -> str:
+        """The safetensors file's name inside ``directory``."""
+        return Path(self.export.path).name
 
 
 @dataclass
 class EvalReport:
     """Test-split metrics of one exported model."""
 
-    split: str
-    accuracy: float
-    loss: float
-    count: int
-    classes: list[str]
-    precision: list[float]  # per class, in ``classes`` order
-    recall: list[float]
-    confusion: list[list[int]]  # rows: true class, columns: predicted class
+    result: EvalResult
     model_sha256: str = ""
 
 

@@ -1,8 +1,10 @@
-"""Checkpoints: save and resume the whole training state in one of three modes.
+"""Checkpoints: save and resume a run's state registry in one of three modes.
 
-``sync`` writes one ``state.pt`` from rank 0 (torch.save of the full state); ``dcp`` and ``async`` write a
-torch.distributed.checkpoint directory, every rank its own part. The layout, the commit marker and the
-checksums are in :mod:`traincore.checkpoint_files`. Every rank checksums the files it writes while writing
+The checkpointer is handed a :class:`~traincore.state.StateRegistry` and never looks inside its members:
+it saves the registry's shared state and gathers every rank's per-rank state. ``sync`` writes one
+``state.pt`` from rank 0; ``dcp`` and ``async`` write a torch.distributed.checkpoint directory, every rank
+its own part. The layout, the commit marker and the checksums are :mod:`traincore.checkpoint_files`; what the
+files hold is :mod:`traincore.checkpoint_format`. Every rank checksums the files it writes while writing
 them; rank 0 gathers the checksums and writes the marker last, once every rank's writes are done.
 
 Resume takes the latest complete checkpoint. If ``verify_on_load`` finds one of its files corrupt (checksum
@@ -14,66 +16,53 @@ by number is an error.
 background thread over a gloo process group of its own. At most one save is in flight: the next ``save``,
 ``load``, ``wait`` and ``close`` first wait for the previous one, since overlapping DCP saves can hang.
 
-RNG states are saved per rank. When the world size changed since the save they cannot be matched to
-ranks, so the current RNG is kept (and logged). Model and optimizer state reshard (DCP) or are
-replicated (``sync``), so every mode resumes on any world size.
+Per-rank state (RNG streams) cannot be matched to ranks when the world size changed since the save; it is
+then kept as it is (and logged). Shared state reshards (DCP) or is replicated (``sync``), so every mode
+resumes on any world size.
 """
 
 from __future__ import annotations
 
 import logging
-import random
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from torch import nn
 from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
-from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
-from torch.nn.parallel import DistributedDataParallel
 
 from traincore.checkpoint_files import (
     EXTRA_FILE,
-    FORMAT_VERSION,
     STATE_FILE,
     CheckpointError,
     CorruptCheckpointError,
     complete_steps,
-    load_file,
     prune,
-    read_extra,
     read_marker,
     remove_step,
-    saved_model,
     step_dir,
     verify_checkpoint,
     write_marker,
 )
-from traincore.checkpoint_writer import dcp_writer, save_file, without_zip_crc
+from traincore.checkpoint_format import (
+    flat_shapes,
+    load_tensors,
+    open_saved,
+    single_process_quiet,
+    split_tensors,
+)
+from traincore.checkpoint_writer import ChecksumFileSystemWriter, save_file
 from traincore.config import CheckpointConfig
+from traincore.state import StateMismatchError, StateRegistry
 
 DCP_WRITER_THREADS = 2  # two files per rank, written and checksummed in parallel (bench/checkpoint.py)
 
 log = logging.getLogger(__name__)
-
-
-@dataclass
-class TrainState:
-    """Everything a resumed run needs; ``model`` may be wrapped in DDP and/or torch.compile."""
-
-    model: nn.Module
-    optimizer: torch.optim.Optimizer
-    scheduler: torch.optim.lr_scheduler.LRScheduler
-    loader: Any  # state_dict() -> plain dict (seed, epoch, samples consumed globally)
-    step: int = 0
-    meta: dict = field(default_factory=dict)  # JSON-compatible: config, classes, shape, mean, std, ...
 
 
 @dataclass
@@ -87,57 +76,13 @@ class SaveStats:
     num_bytes: int  # counted by rank 0; 0 elsewhere
 
 
-def unwrap_model(model: nn.Module) -> nn.Module:
-    """The module inside DistributedDataParallel / torch.compile wrappers: its parameter names are canonical."""
-    while True:
-        if isinstance(model, DistributedDataParallel):
-            model = model.module
-        elif isinstance(getattr(model, "_orig_mod", None), nn.Module):
-            model = model._orig_mod
-        else:
-            return model
-
-
-def _check_model(directory: Path, saved: dict[str, torch.Tensor], current: dict[str, Any], extra: dict):
-    for name in [*current, *(n for n in saved if n not in current)]:
-        saved_shape = list(saved[name].shape) if name in saved else "absent"
-        current_shape = list(current[name].shape) if name in current else "absent"
-        if saved_shape != current_shape:
-            written_for = extra.get("meta", {}).get("config", {}).get("model", "an unrecorded model config")
-            raise CheckpointError(
-                f"checkpoint {directory} does not fit this model: parameter {name!r} has shape {saved_shape} "
-                f"in the checkpoint and {current_shape} in the model. The checkpoint was written for model "
-                f"config {written_for}: build that model, or train into a fresh checkpoint root")
-
-
-# ---- RNG -----------------------------------------------------------------------------------------
-
-def _rng_state() -> dict:
-    kind, keys, *rest = np.random.get_state()
-    cuda = torch.cuda.get_rng_state_all() if torch.cuda.is_available() and torch.cuda.is_initialized() else []
-    return {"python": random.getstate(), "numpy": [kind, keys.tolist(), *rest], "torch": torch.get_rng_state(),
-            "cuda": cuda}
-
-
-def _set_rng_state(state: dict) -> None:
-    random.setstate(state["python"])
-    kind, keys, *rest = state["numpy"]
-    np.random.set_state((kind, np.asarray(keys, dtype=np.uint32), *rest))
-    torch.set_rng_state(state["torch"])
-    if state["cuda"] and torch.cuda.is_available() and len(state["cuda"]) == torch.cuda.device_count():
-        torch.cuda.set_rng_state_all(state["cuda"])
-
-
-# ---- the checkpointer ----------------------------------------------------------------------------
-
 class Checkpointer:
-    """Saves and restores a TrainState under ``root``; every rank constructs it and calls each method."""
+    """Saves and restores a StateRegistry under ``root``; every rank constructs it and calls each method."""
 
-    def __init__(self, root: str | Path, cfg: CheckpointConfig, rank: int = 0, world_size: int = 1):
-        self.root = Path(root)
-        self.cfg = cfg
-        self.rank = rank
-        self.world_size = world_size
+    def __init__(self, root: str | Path, cfg: CheckpointConfig, registry: StateRegistry, rank: int = 0,
+                 world_size: int = 1):
+        self.root, self.cfg, self.registry = Path(root), cfg, registry
+        self.rank, self.world_size = rank, world_size
         self.last_save: SaveStats | None = None
         self._group = self._new_group()
         self._pending: Future | None = None
@@ -147,7 +92,8 @@ class Checkpointer:
             # Blocking staging into buffers reused across saves: training must not change the state
             # while it is copied, and pinned buffers make the device-to-host copy fast.
             self._stager = DefaultStager(StagingOptions(use_pinned_memory=on_cuda, use_shared_memory=False,
-                                                        use_async_staging=False, use_non_blocking_copy=on_cuda))
+                                                        use_async_staging=False,
+                                                        use_non_blocking_copy=on_cuda))
             self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="checkpoint-commit")
 
     def _new_group(self) -> dist.ProcessGroup | None:
@@ -158,7 +104,8 @@ class Checkpointer:
             return None
         if (dist.get_rank(), dist.get_world_size()) != (self.rank, self.world_size):
             raise CheckpointError(f"rank={self.rank}, world_size={self.world_size} disagree with the process "
-                                  f"group ({dist.get_rank()}, {dist.get_world_size()}): pass the group's values")
+                                  f"group ({dist.get_rank()}, {dist.get_world_size()}): pass the group's "
+                                  "values")
         # A gloo group of our own: checkpoint collectives never queue behind the training backend's (nor
         # hit its lowered timeout during a long save), and async saves get the CPU backend they need.
         return dist.new_group(backend="gloo", timeout=timedelta(minutes=30))
@@ -181,30 +128,33 @@ class Checkpointer:
         dist.gather_object(obj, out, dst=0, group=self._group)
         return out
 
-    def save(self, state: TrainState) -> None:
+    def maybe_save(self, step: int, last_step: bool) -> None:
+        """Save at every ``cfg.every``-th step and at the last one: the one place this rule lives."""
+        if (self.cfg.every and step % self.cfg.every == 0) or last_step:
+            self.save(step)
+
+    def save(self, step: int) -> None:
         """Write ``<root>/step-{step:06d}/``; returns once training may go on (async: after staging)."""
         start = time.perf_counter()
         self.wait()
-        directory = step_dir(self.root, state.step)
-        model_sd, optim_sd = get_state_dict(unwrap_model(state.model), state.optimizer)
-        extra = {"format_version": FORMAT_VERSION, "step": state.step, "meta": state.meta,
-                 "loader": state.loader.state_dict(), "scheduler": state.scheduler.state_dict(),
-                 "param_groups": optim_sd["param_groups"], "rng": self._gather(_rng_state())}
+        directory = step_dir(self.root, step)
+        shared, per_rank = self.registry.shared_state(), self._gather(self.registry.rank_state())
         if self.rank == 0:
             remove_step(directory)  # a torn (or superseded) leftover of the same step
             directory.mkdir(parents=True)
         self._barrier()  # no rank writes before the leftover is gone
-        upload, checksums = self._write(directory, {"model": model_sd, "optim": optim_sd["state"]}, extra)
+        upload, checksums = self._write(directory, step, shared, per_rank)
         blocking = time.perf_counter() - start
-        log.info("checkpoint step=%d mode=%s blocking=%.3fs", state.step, self.cfg.mode, blocking)
+        log.info("checkpoint step=%d mode=%s blocking=%.3fs", step, self.cfg.mode, blocking)
         if upload is None:
-            self._commit(directory, state.step, start, blocking, checksums)
+            self._commit(directory, step, start, blocking, checksums)
             self._barrier()  # no rank goes on (or reads it) before the marker exists
         else:
-            self._pending = self._executor.submit(self._commit, directory, state.step, start, blocking, checksums,
+            self._pending = self._executor.submit(self._commit, directory, step, start, blocking, checksums,
                                                   upload)
 
-    def _write(self, directory: Path, tensors: dict, extra: dict) -> tuple[Future | None, dict[str, dict]]:
+    def _write(self, directory: Path, step: int, shared: dict, per_rank: list | None
+               ) -> tuple[Future | None, dict[str, dict]]:
         """Write this rank's part; returns the async upload (or None) and the checksums of this rank's files.
 
         DCP's writer threads add a file's checksum when they close it: the dict is complete once the
@@ -213,13 +163,18 @@ class Checkpointer:
         if self.cfg.mode == "sync":
             if self.rank != 0:
                 return None, {}
-            return None, {STATE_FILE: save_file({**tensors, "extra": extra}, directory / STATE_FILE)}
-        checksums = {EXTRA_FILE: save_file(extra, directory / EXTRA_FILE)} if self.rank == 0 else {}
-        writer = dcp_writer(directory, DCP_WRITER_THREADS, checksums)
+            payload = {"step": step, "shared": shared, "per_rank": per_rank}
+            return None, {STATE_FILE: save_file(payload, directory / STATE_FILE)}
+        tensors, rest = split_tensors(shared)
+        checksums = {}
+        if self.rank == 0:
+            payload = {"step": step, "shared": rest, "per_rank": per_rank}
+            checksums[EXTRA_FILE] = save_file(payload, directory / EXTRA_FILE)
+        writer = ChecksumFileSystemWriter(directory, DCP_WRITER_THREADS, checksums)
         kwargs = {"storage_writer": writer, "process_group": self._group, "no_dist": self._group is None}
-        if self.cfg.mode == "async":
-            return dcp.async_save(tensors, async_stager=self._stager, **kwargs), checksums
-        with without_zip_crc():
+        with single_process_quiet(self._group is None):
+            if self.cfg.mode == "async":
+                return dcp.async_save(tensors, async_stager=self._stager, **kwargs), checksums
             dcp.save(tensors, **kwargs)
         return None, checksums
 
@@ -260,8 +215,8 @@ class Checkpointer:
                 dist.destroy_process_group(self._group)
                 self._group = None
 
-    def load(self, state: TrainState, step: int | None = None) -> int | None:
-        """Restore ``state`` in place from ``step`` (default: the latest complete one); None if none exists."""
+    def load(self, step: int | None = None) -> int | None:
+        """Restore the registry from ``step`` (default: the latest complete one); None if none exists."""
         self.wait()
         chosen, error = self._broadcast(self._choose(step) if self.rank == 0 else None)
         if error:
@@ -270,30 +225,36 @@ class Checkpointer:
             return None
         directory = step_dir(self.root, chosen)
         marker = read_marker(directory)
-        extra = read_extra(directory, marker)
-        model = unwrap_model(state.model)
-        model_sd, optim_sd = get_state_dict(model, state.optimizer)
-        _check_model(directory, saved_model(directory, marker), model_sd, extra)
-        tensors = self._read_tensors(directory, marker, {"model": model_sd, "optim": optim_sd["state"]})
-        set_state_dict(model, state.optimizer, model_state_dict=tensors["model"],
-                       optim_state_dict={"state": tensors["optim"], "param_groups": extra["param_groups"]})
-        state.scheduler.load_state_dict(extra["scheduler"])
-        state.loader.load_state_dict(extra["loader"])
-        state.step = extra["step"]
-        if len(extra["rng"]) == self.world_size:
-            _set_rng_state(extra["rng"][self.rank])
-        else:
-            log.info("checkpoint was written by %d ranks, this run has %d: per-rank RNG states cannot be "
-                     "matched to ranks, keeping the current RNG", len(extra["rng"]), self.world_size)
-        log.info("resumed from %s (step %d, mode %s)", directory, state.step, marker["mode"])
-        return state.step
+        saved = open_saved(directory, marker)
+        # The run's own tensors, filled in place; members the checkpoint lacks keep theirs (registry.load).
+        current = split_tensors(self.registry.shared_state())[0]
+        template = {member: tensors for member, tensors in current.items() if member in saved.shared}
+        self._check_shapes(directory, saved.shapes, flat_shapes(template), saved.shared)
+        load_tensors(saved, directory, marker, template, self._group)
+        rank_state = saved.per_rank[self.rank] if len(saved.per_rank) == self.world_size else None
+        if rank_state is None:
+            log.info("checkpoint was written by %d ranks, this run has %d: per-rank state (RNG) cannot be "
+                     "matched to ranks, keeping the current one", len(saved.per_rank), self.world_size)
+        try:
+            self.registry.load(saved.shared, rank_state)
+        except StateMismatchError as exc:
+            raise CheckpointError(f"checkpoint {directory} does not fit this run: {exc}") from exc
+        log.info("resumed from %s (step %d, mode %s)", directory, saved.step, marker["mode"])
+        return saved.step
 
-    def _read_tensors(self, directory: Path, marker: dict, template: dict) -> dict:
-        if marker["format"] == "torch_save":
-            saved = load_file(directory / STATE_FILE)
-            return {"model": saved["model"], "optim": saved["optim"]}
-        dcp.load(template, checkpoint_id=directory, process_group=self._group, no_dist=self._group is None)
-        return template
+    def _check_shapes(self, directory: Path, saved: dict[str, list], current: dict[str, list],
+                      saved_shared: dict) -> None:
+        """Refuse a checkpoint whose tensors differ from the run's, naming the first one, before loading."""
+        for name in [*current, *(n for n in saved if n not in current)]:
+            saved_shape, current_shape = saved.get(name, "absent"), current.get(name, "absent")
+            if saved_shape != current_shape:
+                member, _, key = name.partition(".")
+                kind = "parameter" if member == "model" else f"{member} state"
+                raise CheckpointError(
+                    f"checkpoint {directory} does not fit this run: {kind} {key!r} has shape {saved_shape} "
+                    f"in the checkpoint and {current_shape} in the model. "
+                    f"{self.registry.describe(saved_shared) or 'Its run config is unrecorded'}: build that "
+                    "model, or train into a fresh checkpoint root")
 
     def _choose(self, step: int | None) -> tuple[int | None, str | None]:
         """Rank 0: the step to load (None: nothing to resume), or the error every rank raises."""
@@ -317,8 +278,8 @@ class Checkpointer:
             except CorruptCheckpointError as exc:
                 log.warning("%s; falling back to the previous complete checkpoint", exc)
         if complete:
-            raise CheckpointError(f"every complete checkpoint under {self.root} is corrupt (steps {complete}): "
-                                  "restore them from a backup, or set checkpoint.resume='none'")
+            raise CheckpointError(f"every complete checkpoint under {self.root} is corrupt (steps "
+                                  f"{complete}): restore them from a backup, or set checkpoint.resume='none'")
         return None
 
     def _verify(self, step: int) -> None:

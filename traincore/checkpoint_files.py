@@ -1,9 +1,9 @@
-"""The on-disk checkpoint format: step directories, per-file checksums, the commit marker, pruning, reading.
+"""The checkpoint layout: step directories, per-file checksums, the commit marker, pruning.
 
 Layout: ``<root>/step-000123/``. A ``sync`` checkpoint is one ``state.pt`` (torch.save of the full state).
 A ``dcp`` or ``async`` one is a torch.distributed.checkpoint directory (every rank its own ``.distcp``
-files, plus DCP's ``.metadata``) and ``extra.pt`` with everything that is not a tensor; only tensors go
-through DCP, so reading a checkpoint never unpickles anything outside ``torch.load(weights_only=True)``.
+files, plus DCP's ``.metadata``) and ``extra.pt`` with everything that is not a tensor. What those files
+hold, version by version, is :mod:`traincore.checkpoint_format`.
 
 A checkpoint counts only once complete: rank 0 writes ``commit.json`` last, after every rank's writes are
 done. It holds the format version, the world size and, for every other file in the directory, its size
@@ -24,24 +24,19 @@ import json
 import os
 import re
 import shutil
-import warnings
 import zlib
 from pathlib import Path
 from typing import Any
 
 import torch
-import torch.distributed.checkpoint as dcp
 
-FORMAT_VERSION = 2  # 2: per-file CRC32 in the commit marker (1: sha256)
+FORMAT_VERSION = 3  # 3: the state registry's members (2: fixed model/optim/extra layout; 1: sha256)
+READABLE_VERSIONS = (2, FORMAT_VERSION)  # traincore.checkpoint_format reads both
 MARKER = "commit.json"
 STATE_FILE = "state.pt"  # sync: the whole state
 EXTRA_FILE = "extra.pt"  # dcp / async: the non-tensor state
 _STEP_NAME = re.compile(r"^step-(\d+)$")
 _BLOCK = 8 << 20  # read size when checksumming a file
-
-# Single-process DCP calls pass no_dist=True on purpose; DCP still warns on each of them.
-warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
-
 
 class CheckpointError(ValueError):
     """A checkpoint is missing, corrupt or does not fit this run; the message says which and what to do."""
@@ -58,12 +53,21 @@ def step_dir(root: str | Path, step: int) -> Path:
     return Path(root) / f"step-{step:06d}"
 
 
+def parse_step_name(name: str) -> int | None:
+    """The step of a step directory's name (``step-000123`` -> 123), or None for any other name."""
+    match = _STEP_NAME.match(name)
+    # Only the name step_dir() writes counts: "step-123" or "step-0000123" is not a checkpoint.
+    if match is None or name != step_dir("", int(match.group(1))).name:
+        return None
+    return int(match.group(1))
+
+
 def _step_dirs(root: str | Path) -> dict[int, Path]:
     root = Path(root)
     if not root.is_dir():
         return {}
-    found = ((_STEP_NAME.match(p.name), p) for p in root.iterdir() if p.is_dir())
-    return {int(m.group(1)): p for m, p in found if m and p == step_dir(root, int(m.group(1)))}
+    found = ((parse_step_name(p.name), p) for p in root.iterdir() if p.is_dir())
+    return {step: p for step, p in found if step is not None}
 
 
 def complete_steps(root: str | Path) -> list[int]:
@@ -134,7 +138,8 @@ def write_marker(directory: Path, step: int, mode: str, world_size: int, checksu
     """
     paths = {p.relative_to(directory).as_posix(): p for p in sorted(directory.rglob("*"))
              if p.is_file() and p.name != MARKER}
-    files = {name: checksums[name] if name in checksums else file_checksum(path) for name, path in paths.items()}
+    files = {name: checksums[name] if name in checksums else file_checksum(path)
+             for name, path in paths.items()}
     marker = {"format_version": FORMAT_VERSION, "step": step, "mode": mode, "world_size": world_size,
               "format": "torch_save" if mode == "sync" else "dcp", "checksum": "crc32", "files": files}
     tmp = directory / f".{MARKER}.tmp"
@@ -148,13 +153,15 @@ def read_marker(directory: str | Path) -> dict:
     path = Path(directory) / MARKER
     try:
         marker = json.loads(path.read_text())
-    except (OSError, json.JSONDecodeError) as exc:
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
         raise CheckpointError(f"{directory} is not a complete checkpoint ({MARKER}: {exc}): "
                               "pass a step directory written by traincore.checkpoint") from exc
-    if marker.get("format_version") != FORMAT_VERSION:
+    if not isinstance(marker, dict) or marker.get("format_version") not in READABLE_VERSIONS:
+        version = marker.get("format_version") if isinstance(marker, dict) else None
         raise CheckpointError(
-            f"{directory} has checkpoint format version {marker.get('format_version')!r}, this code reads "
-            f"version {FORMAT_VERSION}: resume it with the code that wrote it, or use a fresh checkpoint root")
+            f"{directory} has checkpoint format version {version!r}, this code reads version "
+            f"{FORMAT_VERSION} and the earlier {', '.join(map(str, READABLE_VERSIONS[:-1]))}: resume it "
+            "with the code that wrote it, or use a fresh checkpoint root")
     return marker
 
 
@@ -189,31 +196,3 @@ def prune(root: Path, keep_last: int) -> None:
     torn_older = [s for s in _step_dirs(root) if s < complete[-1] and s not in complete]
     for step in complete[:-keep_last] + torn_older:
         remove_step(step_dir(root, step))
-
-
-# ---- reading a step directory in either format ---------------------------------------------------
-
-def read_extra(directory: Path, marker: dict) -> dict:
-    """The non-tensor state: step, meta, loader, scheduler, param groups, per-rank RNG."""
-    if marker["format"] == "torch_save":
-        return load_file(directory / STATE_FILE)["extra"]
-    return load_file(directory / EXTRA_FILE)
-
-
-def saved_model(directory: Path, marker: dict) -> dict[str, torch.Tensor]:
-    """Model tensors of a sync checkpoint, or empty tensors of the saved shapes for a DCP one."""
-    if marker["format"] == "torch_save":
-        return load_file(directory / STATE_FILE)["model"]
-    metadata = dcp.FileSystemReader(directory).read_metadata().state_dict_metadata
-    return {key.removeprefix("model."): torch.empty(md.size, dtype=md.properties.dtype)
-            for key, md in metadata.items() if key.startswith("model.")}
-
-
-def read_checkpoint(directory: str | Path) -> tuple[dict[str, torch.Tensor], dict]:
-    """Model weights and non-tensor state (step, meta, ...) of one step directory, in this process alone."""
-    directory = Path(directory)
-    marker = read_marker(directory)
-    model = saved_model(directory, marker)
-    if marker["format"] == "dcp":
-        dcp.load({"model": model}, checkpoint_id=directory, no_dist=True)
-    return model, read_extra(directory, marker)

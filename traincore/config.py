@@ -1,7 +1,8 @@
 """One tree of config dataclasses, shared by the CLIs, the Flyte tasks and the tests.
 
-Every dataclass validates itself in ``__post_init__`` and raises :class:`ConfigError` with a
-message that names the field, the bad value and what is allowed. Presets are plain functions.
+Every dataclass validates itself in ``__post_init__`` and raises :class:`ConfigError` with a message that
+names the field, the bad value and what is allowed. Each field's attribute docstring is its documentation
+(``traincore.config_doc`` renders them into the README). Presets live in ``traincore.presets``.
 """
 
 from __future__ import annotations
@@ -21,14 +22,12 @@ def _check(ok: bool, name: str, value: Any, allowed: str) -> None:
         raise ConfigError(f"{name}={value!r} is invalid: {allowed}")
 
 
-def _positive(name: str, value: Any) -> None:
-    _check(isinstance(value, int) and not isinstance(value, bool) and value > 0, name, value,
-           "must be an integer >= 1")
-
-
-def _non_negative(name: str, value: Any) -> None:
-    _check(isinstance(value, int) and not isinstance(value, bool) and value >= 0, name, value,
-           "must be an integer >= 0")
+def _ints(section: Any, prefix: str, **lows: int) -> None:
+    """Each named field of ``section`` must be an integer (not a bool) >= its given lower bound."""
+    for name, low in lows.items():
+        value = getattr(section, name)
+        _check(isinstance(value, int) and not isinstance(value, bool) and value >= low, f"{prefix}.{name}",
+               value, f"must be an integer >= {low}")
 
 
 def _one_of(name: str, value: Any, choices: tuple[str, ...]) -> None:
@@ -36,6 +35,9 @@ def _one_of(name: str, value: Any, choices: tuple[str, ...]) -> None:
 
 
 SOURCE_KINDS = ("digits", "synthetic", "imagefolder")
+MODEL_NAMES = ("small_cnn", "resnet18", "resnet34", "resnet50", "vit_b_16", "mlp")
+CHECKPOINT_MODES = ("sync", "dcp", "async")
+WANDB_MODES = ("disabled", "offline", "online")
 
 
 def parse_source(source: str) -> tuple[str, str]:
@@ -54,74 +56,84 @@ def parse_source(source: str) -> tuple[str, str]:
 @dataclass
 class DataConfig:
     """What to stage and how: source, image size, split fractions, synthetic parameters."""
-
     source: str = "digits"
+    """``digits`` (bundled with scikit-learn), ``synthetic`` or ``imagefolder:<path-or-URI>``."""
     image_size: int = 32
+    """Side in pixels of the square images staging writes (1 to 4096); vit_b_16 needs a multiple of 16."""
     channels: int = 3
+    """1 (grayscale) or 3 (RGB): staging converts every image to this."""
     seed: int = 0
+    """Seed of the split assignment and the synthetic images: the same seed stages the same data."""
     val_fraction: float = 0.1
+    """Share of the samples in the validation split, in [0, 1)."""
     test_fraction: float = 0.1
+    """Share of the samples in the test split, in [0, 1); val + test must leave a training split."""
     synthetic_samples: int = 2048
+    """Images the ``synthetic`` source generates; other sources ignore it."""
     synthetic_classes: int = 10
+    """Classes (>= 2) the ``synthetic`` source generates; other sources ignore it."""
     samples_per_shard: int = 8192
-    decode_workers: int = 0  # 0 = one per CPU core
+    """Samples per staged uint8 memmap shard file; the loader reads across shard boundaries."""
+    decode_workers: int = 0
+    """Processes that decode and resize ImageFolder images while staging; 0 = one per CPU core."""
 
     def __post_init__(self) -> None:
         parse_source(self.source)
-        _positive("data.image_size", self.image_size)
+        _ints(self, "data", image_size=1, seed=0, synthetic_samples=1, synthetic_classes=2,
+              samples_per_shard=1, decode_workers=0)
         _check(self.image_size <= 4096, "data.image_size", self.image_size, "must be <= 4096")
         _check(self.channels in (1, 3), "data.channels", self.channels, "must be 1 or 3")
-        _non_negative("data.seed", self.seed)
         for name in ("val_fraction", "test_fraction"):
             value = getattr(self, name)
             _check(isinstance(value, (int, float)) and 0.0 <= value < 1.0, f"data.{name}", value,
                    "must be a fraction in [0, 1)")
         _check(self.val_fraction + self.test_fraction < 1.0, "data.val_fraction + data.test_fraction",
                self.val_fraction + self.test_fraction, "must leave a training split (sum < 1)")
-        _positive("data.synthetic_samples", self.synthetic_samples)
-        _check(isinstance(self.synthetic_classes, int) and self.synthetic_classes >= 2,
-               "data.synthetic_classes", self.synthetic_classes, "must be an integer >= 2")
-        _positive("data.samples_per_shard", self.samples_per_shard)
-        _non_negative("data.decode_workers", self.decode_workers)
 
 
 @dataclass
 class LoaderConfig:
     """Per-rank batch size and the DataLoader knobs; ``autotune`` probes the best worker settings."""
-
     batch_size: int = 64
-    num_workers: int = 0  # batched memmap gathers are cheap: the main process usually keeps up
+    """Samples per rank per step; the global batch is batch_size x world size."""
+    num_workers: int = 0
+    """DataLoader worker processes; 0 = gather in the training process (batched memmap reads keep up)."""
     prefetch_factor: int = 2
+    """Batches each DataLoader worker loads ahead; used only when num_workers > 0."""
     persistent_workers: bool = True
-    pin_memory: bool = True  # only takes effect on CUDA
+    """Keep DataLoader workers alive across epochs; used only when num_workers > 0."""
+    pin_memory: bool = True
+    """Pin host batches in page-locked memory for faster copies; takes effect only on CUDA."""
     drop_last: bool = True
+    """Drop each epoch's last incomplete global batch, so every step has the same shape."""
     shuffle: bool = True
-    device_prefetch: bool = True  # CUDA side-stream prefetch
+    """A fresh global permutation of the training split every epoch; off = the staged order."""
+    device_prefetch: bool = True
+    """Copy the next batch to the GPU on a CUDA side stream while the current step runs."""
     autotune: bool = False
+    """Probe num_workers x prefetch_factor on the real data before training and keep the fastest."""
     eval_batch_size: int = 256
+    """Samples per batch in validation and test evaluation (no gradients, so it can exceed batch_size)."""
 
     def __post_init__(self) -> None:
-        _positive("loader.batch_size", self.batch_size)
-        _non_negative("loader.num_workers", self.num_workers)
-        _positive("loader.prefetch_factor", self.prefetch_factor)
-        _positive("loader.eval_batch_size", self.eval_batch_size)
-
-
-MODEL_NAMES = ("small_cnn", "resnet18", "resnet34", "resnet50", "vit_b_16", "mlp")
+        _ints(self, "loader", batch_size=1, num_workers=0, prefetch_factor=1, eval_batch_size=1)
 
 
 @dataclass
 class ModelConfig:
     """Architecture by name; input shape and class count come from the staged manifest."""
-
     name: str = "small_cnn"
-    width: int = 32  # channels of the first conv layer / hidden size of the MLP
+    """small_cnn, mlp, resnet18, resnet34, resnet50 or vit_b_16; random init (never downloads weights)."""
+    width: int = 32
+    """Channels of the first conv layer (small_cnn) or hidden size (mlp); the torchvision models ignore it."""
     dropout: float = 0.0
+    """Dropout probability in [0, 1) for small_cnn and mlp; 0 = no dropout."""
     compile: bool = False
+    """Wrap the model in torch.compile: slower start-up, faster steps; pays off on long GPU runs."""
 
     def __post_init__(self) -> None:
         _one_of("model.name", self.name, MODEL_NAMES)
-        _positive("model.width", self.width)
+        _ints(self, "model", width=1)
         _check(isinstance(self.dropout, (int, float)) and 0.0 <= self.dropout < 1.0, "model.dropout",
                self.dropout, "must be in [0, 1)")
 
@@ -129,21 +141,28 @@ class ModelConfig:
 @dataclass
 class OptimConfig:
     """AdamW with linear warmup then cosine decay to ``lr * min_lr_ratio``."""
-
     lr: float = 1e-3
+    """Peak AdamW learning rate, reached after warmup_steps; in (0, 10)."""
     weight_decay: float = 0.01
+    """AdamW decoupled weight decay, >= 0."""
     beta1: float = 0.9
+    """AdamW first-moment (momentum) decay, in [0, 1)."""
     beta2: float = 0.999
+    """AdamW second-moment decay, in [0, 1)."""
     warmup_steps: int = 20
+    """Steps of linear warmup from 0 to lr; 0 = start at the peak."""
     min_lr_ratio: float = 0.1
-    grad_clip: float = 1.0  # 0 disables clipping
+    """Cosine floor: the lr decays to lr x min_lr_ratio at the last step; in [0, 1]."""
+    grad_clip: float = 1.0
+    """Maximum global gradient L2 norm; 0 disables clipping."""
 
     def __post_init__(self) -> None:
-        _check(isinstance(self.lr, (int, float)) and 0 < self.lr < 10, "optim.lr", self.lr, "must be in (0, 10)")
+        _check(isinstance(self.lr, (int, float)) and 0 < self.lr < 10, "optim.lr", self.lr,
+               "must be in (0, 10)")
         _check(self.weight_decay >= 0, "optim.weight_decay", self.weight_decay, "must be >= 0")
         for name in ("beta1", "beta2"):
             _check(0 <= getattr(self, name) < 1, f"optim.{name}", getattr(self, name), "must be in [0, 1)")
-        _non_negative("optim.warmup_steps", self.warmup_steps)
+        _ints(self, "optim", warmup_steps=0)
         _check(0 <= self.min_lr_ratio <= 1, "optim.min_lr_ratio", self.min_lr_ratio, "must be in [0, 1]")
         _check(self.grad_clip >= 0, "optim.grad_clip", self.grad_clip, "must be >= 0 (0 disables clipping)")
 
@@ -151,28 +170,32 @@ class OptimConfig:
 @dataclass
 class TrainConfig:
     """How long to train and the loop's housekeeping intervals. Give max_steps or epochs."""
-
-    max_steps: int = 0  # 0 = derive from epochs
+    max_steps: int = 0
+    """Optimizer steps to train for; 0 = derive from epochs."""
     epochs: int = 1
+    """Full passes over the training split; used only when max_steps is 0."""
     seed: int = 0
-    eval_every: int = 0  # 0 = only at the end
-    gc_every: int = 50  # Python GC runs only every N steps inside the loop
-    bf16: bool = True  # autocast on CUDA; ignored on CPU
+    """Seed of the initial weights (the same on every rank) and of the per-epoch data order."""
+    eval_every: int = 0
+    """Steps between validation passes; 0 = validate only at the end."""
+    gc_every: int = 50
+    """Python's garbage collector runs only every this many steps in the loop (no random stalls)."""
+    bf16: bool = True
+    """bfloat16 autocast on CUDA; ignored on CPU."""
     deterministic: bool = True
-    profile_steps: str = ""  # "start:end" records a torch.profiler trace for that step window
+    """Forces deterministic algorithms (slow cuDNN convolutions on GPU); bitwise resume needs it on."""
+    profile_steps: str = ""
+    """``START:END`` records a torch.profiler trace of that step window; empty = no profiling."""
 
     def __post_init__(self) -> None:
-        _non_negative("train.max_steps", self.max_steps)
-        _non_negative("train.epochs", self.epochs)
+        _ints(self, "train", max_steps=0, epochs=0, seed=0, eval_every=0, gc_every=1)
         _check(self.max_steps > 0 or self.epochs > 0, "train.max_steps/train.epochs",
                (self.max_steps, self.epochs), "set max_steps >= 1 or epochs >= 1")
-        _non_negative("train.seed", self.seed)
-        _non_negative("train.eval_every", self.eval_every)
-        _positive("train.gc_every", self.gc_every)
         if self.profile_steps:
             parts = self.profile_steps.split(":")
             ok = len(parts) == 2 and all(p.isdigit() for p in parts) and int(parts[0]) < int(parts[1])
-            _check(ok, "train.profile_steps", self.profile_steps, "must look like 'START:END' with START < END")
+            _check(ok, "train.profile_steps", self.profile_steps,
+                   "must look like 'START:END' with START < END")
 
     def profile_window(self) -> tuple[int, int] | None:
         """The (start, end) steps to profile, or None."""
@@ -182,47 +205,49 @@ class TrainConfig:
         return int(start), int(end)
 
 
-CHECKPOINT_MODES = ("sync", "dcp", "async")
-
-
 @dataclass
 class CheckpointConfig:
     """Where and how often to save; ``resume`` is 'latest', 'none' or a step number."""
-
     mode: str = "sync"
-    every: int = 0  # steps between saves; 0 = only at the end
+    """``sync`` (rank 0 writes one file), ``dcp`` (each rank writes a part) or ``async`` (background dcp)."""
+    every: int = 0
+    """Steps between saves; 0 = save only at the end."""
     keep_last: int = 3
+    """Complete checkpoints to keep; older ones (and torn ones older than the newest) are deleted."""
     resume: str = "latest"
+    """``latest`` (the newest complete checkpoint, if any), ``none`` (start fresh) or a step number."""
     verify_on_load: bool = True
+    """Check every file's size and CRC32 against the commit marker before resuming from it."""
 
     def __post_init__(self) -> None:
         _one_of("checkpoint.mode", self.mode, CHECKPOINT_MODES)
-        _non_negative("checkpoint.every", self.every)
-        _positive("checkpoint.keep_last", self.keep_last)
+        _ints(self, "checkpoint", every=0, keep_last=1)
         _check(self.resume in ("latest", "none") or str(self.resume).isdigit(), "checkpoint.resume",
                self.resume, "must be 'latest', 'none' or a step number")
-
-
-WANDB_MODES = ("disabled", "offline", "online")
 
 
 @dataclass
 class TelemetryConfig:
     """Metric sinks (JSONL always; TensorBoard and W&B optional) and logging cadence."""
-
     log_every: int = 10
+    """Steps between metric intervals; each costs one all-reduce and one device sync."""
     tensorboard: bool = True
+    """Also write metrics as TensorBoard events under ``<output>/tensorboard``."""
     tb_max_queue: int = 100
+    """Events TensorBoard's writer buffers before writing them to disk."""
     tb_flush_secs: int = 30
+    """Seconds between TensorBoard flushes to disk."""
     wandb_mode: str = "disabled"
+    """Weights & Biases: ``disabled``, ``offline`` (local files only) or ``online``."""
     wandb_project: str = "flyte-torch-pipeline"
-    progress: str = "auto"  # auto = a progress bar only when stdout is a terminal
+    """W&B project the run is logged under."""
+    progress: str = "auto"
+    """Progress bar: ``on``, ``off`` or ``auto`` (only when stdout is a terminal)."""
     level: str = "INFO"
+    """Log level: DEBUG, INFO, WARNING or ERROR."""
 
     def __post_init__(self) -> None:
-        _positive("telemetry.log_every", self.log_every)
-        _positive("telemetry.tb_max_queue", self.tb_max_queue)
-        _positive("telemetry.tb_flush_secs", self.tb_flush_secs)
+        _ints(self, "telemetry", log_every=1, tb_max_queue=1, tb_flush_secs=1)
         _one_of("telemetry.wandb_mode", self.wandb_mode, WANDB_MODES)
         _one_of("telemetry.progress", self.progress, ("auto", "on", "off"))
         _one_of("telemetry.level", self.level, ("DEBUG", "INFO", "WARNING", "ERROR"))
@@ -231,35 +256,37 @@ class TelemetryConfig:
 @dataclass
 class DistConfig:
     """Process-group backend and timeouts: generous for start-up, tighter once training runs."""
-
-    backend: str = "auto"  # auto = "cpu:gloo,cuda:nccl" with CUDA, else "gloo"
+    backend: str = "auto"
+    """``auto`` (``cpu:gloo,cuda:nccl`` with CUDA, else gloo), ``gloo``, ``nccl``, ``cpu:gloo,cuda:nccl``."""
     init_timeout_s: int = 900
+    """Seconds to wait at start-up for all ranks to join (rendezvous, process group); pods may start late."""
     step_timeout_s: int = 300
+    """Process-group timeout in seconds once the first step has run: a hung rank fails the run sooner."""
 
     def __post_init__(self) -> None:
         _one_of("dist.backend", self.backend, ("auto", "gloo", "nccl", "cpu:gloo,cuda:nccl"))
-        _positive("dist.init_timeout_s", self.init_timeout_s)
-        _positive("dist.step_timeout_s", self.step_timeout_s)
-
-
-_SECTIONS = {
-    "data": DataConfig, "loader": LoaderConfig, "model": ModelConfig, "optim": OptimConfig,
-    "train": TrainConfig, "checkpoint": CheckpointConfig, "telemetry": TelemetryConfig, "dist": DistConfig,
-}
+        _ints(self, "dist", init_timeout_s=1, step_timeout_s=1)
 
 
 @dataclass
 class Config:
     """The whole tree. ``Config.from_dict`` / ``with_overrides`` reject unknown keys by name."""
-
     data: DataConfig = field(default_factory=DataConfig)
+    """What to stage: source, image size, splits."""
     loader: LoaderConfig = field(default_factory=LoaderConfig)
+    """How training batches are read."""
     model: ModelConfig = field(default_factory=ModelConfig)
+    """Which architecture to train."""
     optim: OptimConfig = field(default_factory=OptimConfig)
+    """Optimizer and learning-rate schedule."""
     train: TrainConfig = field(default_factory=TrainConfig)
+    """Training length and loop housekeeping."""
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    """Saving and resuming."""
     telemetry: TelemetryConfig = field(default_factory=TelemetryConfig)
+    """Metrics, logs and the progress bar."""
     dist: DistConfig = field(default_factory=DistConfig)
+    """Process-group backend and timeouts."""
 
     def to_dict(self) -> dict[str, dict[str, Any]]:
         return dataclasses.asdict(self)
@@ -293,7 +320,8 @@ class Config:
             known = {f.name for f in dataclasses.fields(_SECTIONS[key])}
             for name, item in value.items():
                 if name not in known:
-                    raise ConfigError(f"unknown config field {key}.{name}; fields are {', '.join(sorted(known))}")
+                    fields = ", ".join(sorted(known))
+                    raise ConfigError(f"unknown config field {key}.{name}; fields are {fields}")
                 merged[key][name] = item
         return Config(**{name: _SECTIONS[name](**values) for name, values in merged.items()})
 
@@ -311,50 +339,4 @@ def _nest(overrides: dict[str, Any]) -> dict[str, Any]:
     return nested
 
 
-# ---- presets -------------------------------------------------------------------------------------
-
-def debug() -> Config:
-    """Seconds-long run for tests: tiny synthetic data, a few steps."""
-    return Config(
-        data=DataConfig(source="synthetic", image_size=16, synthetic_samples=512, samples_per_shard=128),
-        loader=LoaderConfig(batch_size=16),
-        model=ModelConfig(name="small_cnn", width=8),
-        optim=OptimConfig(warmup_steps=2),
-        train=TrainConfig(max_steps=20, epochs=0, gc_every=10),
-        telemetry=TelemetryConfig(log_every=5),
-    )
-
-
-def digits() -> Config:
-    """scikit-learn digits at 32x32: reaches >= 0.95 test accuracy in a few CPU minutes."""
-    return Config(
-        data=DataConfig(source="digits", image_size=32, channels=1),
-        loader=LoaderConfig(batch_size=32),
-        model=ModelConfig(name="small_cnn", width=32),
-        optim=OptimConfig(lr=2e-3, warmup_steps=20),
-        train=TrainConfig(epochs=8, max_steps=0, eval_every=100),
-        telemetry=TelemetryConfig(log_every=20),
-    )
-
-
-def imagenet_like() -> Config:
-    """ResNet-50 at 224x224 on an ImageFolder: a GPU preset with async checkpoints and workers."""
-    return Config(
-        data=DataConfig(source="imagefolder:./data/imagenet", image_size=224, channels=3),
-        loader=LoaderConfig(batch_size=128, num_workers=8, prefetch_factor=4),
-        model=ModelConfig(name="resnet50", compile=True),
-        optim=OptimConfig(lr=1e-3, weight_decay=0.05, warmup_steps=2000),
-        train=TrainConfig(epochs=90, max_steps=0, eval_every=5000),
-        checkpoint=CheckpointConfig(mode="async", every=2000),
-        telemetry=TelemetryConfig(log_every=50),
-    )
-
-
-PRESETS = {"debug": debug, "digits": digits, "imagenet_like": imagenet_like}
-
-
-def preset(name: str) -> Config:
-    """The preset called ``name``; unknown names list the choices."""
-    if name not in PRESETS:
-        raise ConfigError(f"unknown preset {name!r}; presets are {', '.join(PRESETS)}")
-    return PRESETS[name]()
+_SECTIONS: dict[str, Any] = {f.name: f.default_factory for f in dataclasses.fields(Config)}

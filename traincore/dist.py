@@ -47,7 +47,8 @@ def launch_env() -> tuple[int, int, int]:
         return (int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1)),
                 int(os.environ.get("LOCAL_RANK", 0)))
     except ValueError as exc:
-        raise ValueError(f"RANK/WORLD_SIZE/LOCAL_RANK must be integers ({exc}); launch with torchrun") from exc
+        raise ValueError(f"RANK/WORLD_SIZE/LOCAL_RANK must be integers ({exc}); "
+                         "launch with torchrun") from exc
 
 
 def resolve_backend(cfg: DistConfig, cuda: bool) -> str:
@@ -55,7 +56,8 @@ def resolve_backend(cfg: DistConfig, cuda: bool) -> str:
     if cfg.backend == "auto":
         return "cpu:gloo,cuda:nccl" if cuda else "gloo"
     if "nccl" in cfg.backend and not cuda:
-        raise ValueError(f"dist.backend={cfg.backend!r} needs CUDA, which this machine lacks: use 'auto' or 'gloo'")
+        raise ValueError(f"dist.backend={cfg.backend!r} needs CUDA, which this machine lacks: "
+                         "use 'auto' or 'gloo'")
     return cfg.backend
 
 

@@ -23,6 +23,8 @@ from traincore.loader import Normalizer, StagedSplit, eval_batches
 
 @dataclass
 class EvalResult:
+    """One split's metrics of an exported model (the Flyte EvalReport carries it as it is)."""
+
     split: str
     accuracy: float
     loss: float  # mean cross-entropy per sample
@@ -91,8 +93,10 @@ def format_result(result: EvalResult) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """CLI: print the accuracy line; exit code 2 for a missing model, unusable data or a bad argument."""
     parser = argparse.ArgumentParser(prog="python -m traincore.evaluate", description=__doc__.splitlines()[0])
-    parser.add_argument("--model", required=True, help="exported model.safetensors (python -m traincore.export)")
+    parser.add_argument("--model", required=True,
+                        help="exported model.safetensors (python -m traincore.export)")
     parser.add_argument("--data", required=True, help="staged dataset directory")
     parser.add_argument("--split", default="test", help="train | val | test")
     parser.add_argument("--batch-size", type=int, default=256)

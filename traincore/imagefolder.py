@@ -14,7 +14,8 @@ from concurrent.futures import ProcessPoolExecutor
 import numpy as np
 
 from traincore.config import DataConfig
-from traincore.data import Chunk, StagingError, split_counts
+from traincore.data import StagingError
+from traincore.sources import Chunk, split_counts
 
 IMAGE_EXTENSIONS = (".jpg", ".jpeg", ".png", ".bmp", ".gif", ".tif", ".tiff", ".webp", ".ppm", ".pgm")
 CHUNK = 256  # images per decode task: large enough to amortise pickling, small enough to stream
@@ -33,7 +34,8 @@ def list_images(location: str) -> tuple[list[str], list[tuple[str, int]]]:
     classes = sorted(os.path.basename(p.rstrip("/")) for p in fs.ls(root, detail=False) if fs.isdir(p))
     files: list[tuple[str, int]] = []
     for label, name in enumerate(classes):
-        found = sorted(p for p in fs.find(f"{root.rstrip('/')}/{name}") if p.lower().endswith(IMAGE_EXTENSIONS))
+        found = sorted(p for p in fs.find(f"{root.rstrip('/')}/{name}")
+                       if p.lower().endswith(IMAGE_EXTENSIONS))
         files.extend((fs.unstrip_protocol(p), label) for p in found)
     if not files:
         raise StagingError(f"imagefolder location {location!r} holds no images: expected "
@@ -55,7 +57,8 @@ def _decode(path: str, size: int, channels: int) -> np.ndarray:
             image = Image.open(io.BytesIO(handle.read()))
             image = image.convert("RGB" if channels == 3 else "L")
     except (UnidentifiedImageError, OSError, ValueError) as exc:
-        raise StagingError(f"cannot read image {path}: {exc}. Remove or replace the file and stage again") from exc
+        raise StagingError(f"cannot read image {path}: {exc}. Remove or replace the file and stage "
+                           "again") from exc
     scale = size / min(image.size)
     width, height = max(size, round(image.width * scale)), max(size, round(image.height * scale))
     image = image.resize((width, height), Image.BILINEAR)
@@ -92,7 +95,7 @@ def imagefolder_source(location: str, cfg: DataConfig) -> tuple[list[str], Itera
             # map keeps submission order, so the output is deterministic whatever the worker count.
             decoded = pool.map(_decode_chunk, [paths for _, paths, _ in jobs],
                                [cfg.image_size] * len(jobs), [cfg.channels] * len(jobs))
-            for (split, _, labels), images in zip(jobs, decoded):
+            for (split, _, labels), images in zip(jobs, decoded, strict=True):
                 yield split, images, labels
 
     return classes, chunks()

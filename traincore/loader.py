@@ -40,11 +40,13 @@ class StagedSplit:
         self.directory = Path(directory)
         self.manifest = Manifest.load(self.directory)
         if split not in self.manifest.splits:
-            raise StagingError(f"split {split!r} is not in {directory}; it has {', '.join(self.manifest.splits)}")
+            raise StagingError(f"split {split!r} is not in {directory}; it has "
+                               f"{', '.join(self.manifest.splits)}")
         self.split = split
         info = self.manifest.splits[split]
         if info.count == 0:
-            raise StagingError(f"split {split!r} of {directory} is empty: stage with a non-zero {split}_fraction")
+            raise StagingError(f"split {split!r} of {directory} is empty: stage with a non-zero "
+                               f"{split}_fraction")
         shape = self.manifest.shape
         self._images, self._labels = [], []
         for shard in info.shards:
@@ -64,7 +66,8 @@ class StagedSplit:
         actual = path.stat().st_size if path.exists() else -1
         if actual != expected:
             raise StagingError(f"shard {path} is {'missing' if actual < 0 else f'{actual} bytes'}, expected "
-                               f"{expected} bytes: the staged dataset is truncated or damaged; stage it again")
+                               f"{expected} bytes: the staged dataset is truncated or damaged; "
+                               "stage it again")
 
     def verify(self) -> None:
         """Check every shard's sha256 against the manifest."""
@@ -75,8 +78,8 @@ class StagedSplit:
                     for block in iter(lambda h=handle: h.read(1 << 22), b""):
                         hasher.update(block)
                 if hasher.hexdigest() != digest:
-                    raise StagingError(f"shard {self.directory / name} fails its sha256 check: the staged dataset "
-                                       "is corrupted; stage it again")
+                    raise StagingError(f"shard {self.directory / name} fails its sha256 check: the staged "
+                                       "dataset is corrupted; stage it again")
 
     def __len__(self) -> int:
         return int(self._offsets[-1])
@@ -173,8 +176,9 @@ class StagedLoader:
         self.normalize = Normalizer(split.manifest.mean, split.manifest.std, self.device)
         global_batch = cfg.batch_size * world_size
         if cfg.drop_last and len(split) < global_batch:
-            raise ValueError(f"loader.batch_size={cfg.batch_size} x {world_size} ranks = {global_batch} exceeds "
-                             f"the {len(split)} {split.split} samples: lower loader.batch_size or set drop_last off")
+            raise ValueError(f"loader.batch_size={cfg.batch_size} x {world_size} ranks = {global_batch} "
+                             f"exceeds the {len(split)} {split.split} samples: lower loader.batch_size "
+                             "or set drop_last off")
         self._pin = cfg.pin_memory and self.device.type == "cuda"
         self._dataloader = self._make_dataloader() if cfg.num_workers > 0 else None
 
@@ -217,15 +221,18 @@ class StagedLoader:
         return self.steps_per_epoch
 
     def state_dict(self) -> dict[str, int]:
-        return {"seed": self.seed, "epoch": self.epoch, "consumed": self.consumed, "num_samples": len(self.split)}
+        return {"seed": self.seed, "epoch": self.epoch, "consumed": self.consumed,
+                "num_samples": len(self.split)}
 
     def load_state_dict(self, state: dict[str, int]) -> None:
         """Continue the saved global order; the world size may differ from the one that saved it."""
         if state["num_samples"] != len(self.split):
             raise ValueError(f"the saved loader position is for {state['num_samples']} samples but this "
-                             f"{self.split.split} split has {len(self.split)}: resume on the same staged dataset")
+                             f"{self.split.split} split has {len(self.split)}: "
+                             "resume on the same staged dataset")
         if state["seed"] != self.seed:
-            log.warning("loader seed %d from the checkpoint replaces the configured seed %d", state["seed"], self.seed)
+            log.warning("loader seed %d from the checkpoint replaces the configured seed %d",
+                        state["seed"], self.seed)
         self.seed, self.epoch, self.consumed = state["seed"], state["epoch"], state["consumed"]
 
 
@@ -264,7 +271,8 @@ class _CudaPrefetcher:
         return images, labels
 
 
-def eval_batches(split: StagedSplit, batch_size: int, *, rank: int = 0, world_size: int = 1) -> Iterator[Batch]:
+def eval_batches(split: StagedSplit, batch_size: int, *, rank: int = 0,
+                 world_size: int = 1) -> Iterator[Batch]:
     """This rank's contiguous share of the split in order, without padding, as uint8 host batches."""
     per_rank = -(-len(split) // world_size)
     lo, hi = rank * per_rank, min((rank + 1) * per_rank, len(split))

@@ -61,7 +61,7 @@ def _torchvision_model(name: str, in_channels: int, num_classes: int, image_size
 
 
 def build_model(cfg: ModelConfig, num_classes: int, shape: tuple[int, int, int]) -> nn.Module:
-    """Build ``cfg.name`` for inputs of ``shape`` (C, H, W) and ``num_classes`` outputs, randomly initialised."""
+    """Build ``cfg.name`` for ``shape`` (C, H, W) inputs and ``num_classes`` outputs, randomly initialised."""
     channels, height, width = shape
     if cfg.name == "small_cnn":
         return SmallCNN(channels, num_classes, cfg.width, cfg.dropout)

@@ -10,13 +10,14 @@ import logging
 import math
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
 from traincore.config import TelemetryConfig
+from traincore.dist import DistContext
 from traincore.metrics import IntervalMeter, RunTotals, WaitTimer, memory_metrics, peak_flops
-from traincore.metrics import training_flops_per_sample as training_flops_per_sample  # part of this API
 from traincore.sinks import MetricSink, build_sinks, resolve_wandb_key
 
 logger = logging.getLogger(__name__)
@@ -92,6 +93,16 @@ def format_interval(step: int, total_steps: int, metrics: dict[str, float]) -> s
     return line
 
 
+@dataclass(frozen=True)
+class Workload:
+    """What telemetry must know of the run to turn step times into progress, throughput and MFU."""
+
+    total_steps: int
+    global_batch_size: int
+    flops_per_sample: float | None = None  # training FLOPs of one sample; None: MFU is not reported
+    dtype: torch.dtype = torch.float32  # the dtype the run computes in: MFU is against that dtype's peak
+
+
 class Telemetry:
     """Per-step meters and per-interval reporting for the training loop.
 
@@ -101,21 +112,21 @@ class Telemetry:
     ends after that sync, so device work still queued at the last step is counted.
     """
 
-    def __init__(self, cfg: TelemetryConfig, output_dir: str | Path, *, rank: int, world_size: int,
-                 run_config: dict, total_steps: int, global_batch_size: int,
-                 flops_per_sample: float | None, device: torch.device,
-                 dtype: torch.dtype = torch.bfloat16) -> None:
-        for name, value in (("world_size", world_size), ("total_steps", total_steps),
-                            ("global_batch_size", global_batch_size)):
+    def __init__(self, cfg: TelemetryConfig, output_dir: str | Path, ctx: DistContext, workload: Workload,
+                 run_config: dict | None = None) -> None:
+        for name, value in (("world_size", ctx.world_size), ("total_steps", workload.total_steps),
+                            ("global_batch_size", workload.global_batch_size)):
             if value < 1:
                 raise ValueError(f"Telemetry {name}={value} is invalid: it must be >= 1")
-        if not 0 <= rank < world_size:
-            raise ValueError(f"Telemetry rank={rank} is outside world_size={world_size}: use 0..{world_size - 1}")
+        if not 0 <= ctx.rank < ctx.world_size:
+            raise ValueError(f"Telemetry rank={ctx.rank} is outside world_size={ctx.world_size}: use "
+                             f"0..{ctx.world_size - 1}")
         resolve_wandb_key(cfg.wandb_mode)  # every rank fails alike, before any training
-        self.cfg, self.rank, self.world_size = cfg, rank, world_size
-        self.total_steps, self.global_batch_size = total_steps, global_batch_size
-        self.device = torch.device(device)
+        self.cfg, self.rank, self.world_size = cfg, ctx.rank, ctx.world_size
+        self.total_steps, self.global_batch_size = workload.total_steps, workload.global_batch_size
+        self.device = torch.device(ctx.device)
         self._created = time.perf_counter()
+        self._wall_before = 0.0  # wall seconds of earlier attempts of the run (restored on resume)
         self._interval_start: float | None = None
         self._interval_wait_start = 0.0
         self._intervals = 0
@@ -125,12 +136,13 @@ class Telemetry:
         self._closed = False
         self._sinks: list[MetricSink] = []
         self._bar: ProgressBar | None = None
-        self._flops_per_sample = flops_per_sample
+        self._flops_per_sample = workload.flops_per_sample
         self._peak: float | None = None
-        if rank == 0:
-            self._peak = peak_flops(self.device, dtype) if flops_per_sample else None  # may raise: before sinks
-            self._sinks = build_sinks(cfg, output_dir, run_config)
-            self._bar = ProgressBar(total_steps) if wants_progress_bar(cfg.progress) else None
+        if self.rank == 0:
+            if workload.flops_per_sample:  # may raise: before any sink opens
+                self._peak = peak_flops(self.device, workload.dtype)
+            self._sinks = build_sinks(cfg, output_dir, run_config or {})
+            self._bar = ProgressBar(self.total_steps) if wants_progress_bar(cfg.progress) else None
 
     def data_wait(self) -> WaitTimer:
         """Context manager for ``next(it)`` and the host-to-device wait: its time is data-wait."""
@@ -168,7 +180,8 @@ class Telemetry:
                    "step_time_s": seconds / steps, "data_wait_s": wait / steps,
                    "data_wait_share": min(wait / seconds, 1.0)}
         if self._peak and self._flops_per_sample:
-            metrics["mfu"] = self._flops_per_sample * metrics["samples_per_s"] / (self._peak * self.world_size)
+            metrics["mfu"] = (self._flops_per_sample * metrics["samples_per_s"]
+                              / (self._peak * self.world_size))
         metrics.update(memory_metrics(self.device))
         if self.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(self.device)  # peaks are per interval
@@ -200,7 +213,7 @@ class Telemetry:
         logger.info("eval step %d | %s", step, " | ".join(f"{k} {v:.4f}" for k, v in values.items()))
 
     def summary(self) -> dict[str, float]:
-        """Run totals: steps, samples_per_s (after warm-up when possible), data_wait_share, final_loss, wall_s."""
+        """Totals: steps, samples_per_s (after warm-up if possible), data_wait_share, final_loss, wall_s."""
         totals = self._totals
         if totals.steady_seconds > 0:
             throughput = totals.steady_samples / totals.steady_seconds
@@ -208,14 +221,19 @@ class Telemetry:
             throughput = totals.samples / totals.seconds if totals.seconds > 0 else 0.0
         return {"steps": float(totals.steps), "samples_per_s": throughput,
                 "data_wait_share": totals.wait_seconds / totals.seconds if totals.seconds > 0 else 0.0,
-                "final_loss": totals.final_loss, "wall_s": time.perf_counter() - self._created}
+                "final_loss": totals.final_loss, "wall_s": self._wall_s()}
+
+    def _wall_s(self) -> float:
+        return self._wall_before + time.perf_counter() - self._created
 
     def state_dict(self) -> dict[str, float]:
-        """Run totals, so a resumed run's summary covers the whole run."""
-        return self._totals.state_dict()
+        """Run totals and wall time so far, so a resumed run's summary covers the whole run."""
+        return {**self._totals.state_dict(), "wall_s": self._wall_s()}
 
     def load_state_dict(self, state: dict[str, float]) -> None:
         """Restore totals saved by ``state_dict``."""
+        state = dict(state)
+        self._wall_before = float(state.pop("wall_s", 0.0))
         self._totals.load_state_dict(state)
 
     def close(self) -> None:

@@ -1,34 +1,226 @@
-"""CLI: train on a staged dataset, single process or under torchrun.
+"""Train on a staged dataset: the Trainer, and its CLI (one process, or one per rank under torchrun).
 
     torchrun --nproc-per-node N -m traincore.train --data DIR --output DIR [--max-steps N | --epochs N]
         [--checkpoint-every N] [--checkpoint-mode sync|dcp|async] [--seed S] [--preset NAME] [--config JSON]
 
 ``--output`` receives ``checkpoints/step-*/``, ``tensorboard/`` and ``metrics.jsonl``. Running the same
-command again resumes from the latest complete checkpoint.
+command again resumes from the latest complete checkpoint. On CPU with a fixed seed and world size the run
+is deterministic, so a resumed run ends with bitwise the same weights as an uninterrupted one.
 """
 
 from __future__ import annotations
 
 import argparse
+import gc
 import json
+import logging
 import os
 import sys
+from collections.abc import Iterator
+from contextlib import ExitStack, contextmanager
+from dataclasses import dataclass
 from pathlib import Path
 
-from traincore.config import PRESETS, Config, ConfigError, preset
-from traincore.data import StagingError
-from traincore.loop import TrainSummary, prepare, train
+import torch
+from torch import nn
 
-run = train  # the name the Flyte task calls: ``traincore.train.run(cfg, data_dir, output_dir)``
-validate = prepare
+from traincore.autotune import autotune
+from traincore.checkpoint import Checkpointer
+from traincore.config import Config, ConfigError
+from traincore.data import Manifest, StagingError
+from traincore.dist import distributed, tighten_timeout
+from traincore.loader import StagedLoader, StagedSplit
+from traincore.metrics import training_flops_per_sample
+from traincore.models import build_model, parameter_count
+from traincore.presets import PRESETS, preset
+from traincore.profiling import ProfilerWindow
+from traincore.sinks import resolve_wandb_key
+from traincore.state import Progress, training_registry, unwrap_model
+from traincore.steps import endless, seed_everything, total_steps, train_step, validate, warmup_cosine
+from traincore.telemetry import Telemetry, Workload, setup_logging
 
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class TrainSummary:
+    """What a finished run reports; throughput and data-wait figures cover every attempt of the run."""
+
+    steps: int
+    samples_per_s: float
+    data_wait_share: float
+    final_loss: float
+    val_accuracy: float | None
+    resumed_from: int | None
+    checkpoint_dir: str
+    output_dir: str
+    wall_s: float
+    world_size: int = 1
+
+
+@contextmanager
+def gc_paused() -> Iterator[None]:
+    """A full collection mid-step costs more than the garbage it frees: the loop collects on its schedule."""
+    gc.disable()
+    try:
+        yield
+    finally:
+        gc.enable()
+
+
+def preflight(cfg: Config, data_dir: str | Path) -> Manifest:
+    """Check the config against the staged data before any process group starts; returns the manifest."""
+    manifest = Manifest.load(data_dir)
+    train_count = manifest.splits["train"].count
+    if cfg.loader.drop_last and train_count < cfg.loader.batch_size:
+        raise ValueError(f"loader.batch_size={cfg.loader.batch_size} exceeds the {train_count} training "
+                         f"samples in {data_dir}: lower loader.batch_size")
+    resolve_wandb_key(cfg.telemetry.wandb_mode)  # online mode without a key fails here, not in a worker
+    if cfg.model.name == "vit_b_16" and manifest.shape[1] % 16:
+        raise ValueError(f"model.name='vit_b_16' needs an image size divisible by 16; {data_dir} is staged "
+                         f"at {manifest.shape[1]}: stage again with a multiple of 16")
+    return manifest
+
+
+class Trainer:
+    """One run in this worker: owns the run-wide parts and their state, trains, tears down in one place."""
+
+    def __init__(self, cfg: Config, data_dir: str | Path, output_dir: str | Path,
+                 checkpoint_dir: str | Path | None = None):
+        self.cfg, self.data_dir, self.output = cfg, Path(data_dir), Path(output_dir)
+        self.checkpoint_root = Path(checkpoint_dir) if checkpoint_dir else self.output / "checkpoints"
+        self.manifest = preflight(cfg, data_dir)
+        self.progress = Progress()
+
+    def train(self) -> TrainSummary:
+        """Set up, resume, run the steps, validate, summarise."""
+        if self.cfg.train.deterministic:
+            torch.use_deterministic_algorithms(True, warn_only=True)
+        with ExitStack() as stack:  # unwinds in reverse: gc, profiler, checkpointer, telemetry, process group
+            self.ctx = stack.enter_context(distributed(self.cfg.dist))
+            setup_logging(self.cfg.telemetry.level, self.ctx.rank)
+            self.output.mkdir(parents=True, exist_ok=True)
+            self.build_model()
+            self.open_parts(stack)
+            resumed = self.resume()
+            stack.enter_context(gc_paused())
+            self.run_steps()
+            val = validate(self.model, self.val_split, self.cfg.loader.eval_batch_size, self.ctx)
+            self.telemetry.log_eval(self.progress.step, val)
+            return self.summary(resumed, val["accuracy"])
+
+    def open_parts(self, stack: ExitStack) -> None:
+        """Telemetry, state registry, checkpointer, profiler; ``stack`` closes them however the run ends."""
+        cfg, ctx = self.cfg, self.ctx
+        self.telemetry = Telemetry(cfg.telemetry, self.output, ctx, self.workload(), cfg.to_dict())
+        stack.callback(self.telemetry.close)
+        seed_everything(cfg.train.seed + ctx.rank)  # per-rank streams; a resume restores them
+        self.register_state()
+        self.checkpointer = Checkpointer(self.checkpoint_root, cfg.checkpoint, self.registry, ctx.rank,
+                                         ctx.world_size)
+        stack.callback(self.checkpointer.close)
+        self.profiler = ProfilerWindow(cfg.train.profile_window(), self.output, ctx.rank)
+        stack.callback(self.profiler.close)
+
+    def build_model(self) -> None:
+        """Loader, then model (DDP across ranks, maybe compiled), AdamW and its warmup-cosine schedule."""
+        cfg, ctx = self.cfg, self.ctx
+        train_split, self.val_split = StagedSplit(self.data_dir, "train"), StagedSplit(self.data_dir, "val")
+        loader_cfg = cfg.loader
+        if loader_cfg.autotune:
+            loader_cfg = autotune(train_split, loader_cfg, rank=ctx.rank, world_size=ctx.world_size,
+                                  seed=cfg.train.seed, device=ctx.device)
+        self.loader = StagedLoader(train_split, loader_cfg, rank=ctx.rank, world_size=ctx.world_size,
+                                   seed=cfg.train.seed, device=ctx.device)
+        self.total_steps = total_steps(cfg, self.loader.steps_per_epoch)
+        seed_everything(cfg.train.seed)  # identical initial weights on every rank
+        model = build_model(cfg.model, self.manifest.num_classes, self.manifest.shape).to(ctx.device)
+        if ctx.distributed:
+            device_ids = [ctx.device.index] if ctx.device.type == "cuda" else None
+            model = nn.parallel.DistributedDataParallel(model, device_ids=device_ids)
+        self.model = torch.compile(model) if cfg.model.compile else model
+        optim = cfg.optim
+        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=optim.lr,
+                                           betas=(optim.beta1, optim.beta2), weight_decay=optim.weight_decay,
+                                           foreach=True)
+        schedule = warmup_cosine(cfg, self.total_steps)
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, schedule)
+
+    def workload(self) -> Workload:
+        """Steps, batch and FLOPs for telemetry; MFU is measured against the dtype the run computes in."""
+        bf16 = self.ctx.device.type == "cuda" and self.cfg.train.bf16
+        # Counted on meta tensors: no copy of the model, its weights untouched.
+        flops = training_flops_per_sample(unwrap_model(self.model), self.manifest.shape)
+        return Workload(total_steps=self.total_steps, global_batch_size=self.loader.global_batch_size,
+                        flops_per_sample=flops, dtype=torch.bfloat16 if bf16 else torch.float32)
+
+    def register_state(self) -> None:
+        """Everything a resume restores, in one registry; the checkpointer never looks inside it."""
+        manifest = self.manifest
+        meta = {"config": self.cfg.to_dict(), "num_classes": manifest.num_classes,
+                "shape": list(manifest.shape), "classes": manifest.classes, "mean": manifest.mean,
+                "std": manifest.std, "source": manifest.source, "world_size": self.ctx.world_size}
+        self.registry = training_registry(self.model, self.optimizer, self.scheduler, self.loader,
+                                          self.progress, meta)
+        self.registry.register("telemetry", self.telemetry)
+
+    def resume(self) -> int | None:
+        """Restore the latest (or the requested) checkpoint, if any; returns its step."""
+        wanted = self.cfg.checkpoint.resume
+        resumed = None
+        if wanted != "none":
+            resumed = self.checkpointer.load(None if wanted == "latest" else int(wanted))
+        log.info("training %s (%s parameters) on %s for %d steps, %d per epoch, global batch %d%s",
+                 self.cfg.model.name, f"{parameter_count(self.model):,}", self.ctx.device, self.total_steps,
+                 self.loader.steps_per_epoch, self.loader.global_batch_size,
+                 f", resumed from step {resumed} in {self.checkpoint_root}" if resumed else "")
+        return resumed
+
+    def run_steps(self) -> None:
+        """The step loop proper, from the current (possibly resumed) step to the last."""
+        cfg, progress = self.cfg, self.progress
+        batches = endless(self.loader)
+        self.model.train()
+        first_step = progress.step + 1
+        while progress.step < self.total_steps:
+            with self.telemetry.data_wait():
+                batch = next(batches)
+            self.profiler.on_step(progress.step)
+            loss = train_step(self.model, self.optimizer, self.scheduler, batch, cfg)
+            progress.step += 1
+            step, last = progress.step, progress.step == self.total_steps
+            self.telemetry.step_done(step, loss, self.scheduler.get_last_lr()[0])
+            if step == first_step:
+                tighten_timeout(cfg.dist)  # start-up is over: a hung peer should now fail fast
+            if step % cfg.train.gc_every == 0:
+                gc.collect()
+            if cfg.train.eval_every and step % cfg.train.eval_every == 0 and not last:
+                self.telemetry.log_eval(step, validate(self.model, self.val_split, cfg.loader.eval_batch_size,
+                                                       self.ctx))
+            self.checkpointer.maybe_save(step, last_step=last)
+        self.checkpointer.wait()
+
+    def summary(self, resumed: int | None, val_accuracy: float) -> TrainSummary:
+        """The run's summary from the telemetry totals (restored on resume, so they cover the whole run)."""
+        totals = self.telemetry.summary()
+        return TrainSummary(steps=self.progress.step, samples_per_s=totals["samples_per_s"],
+                            data_wait_share=totals["data_wait_share"], final_loss=totals["final_loss"],
+                            val_accuracy=val_accuracy, resumed_from=resumed,
+                            checkpoint_dir=str(self.checkpoint_root), output_dir=str(self.output),
+                            wall_s=totals["wall_s"], world_size=self.ctx.world_size)
+
+
+# ---- CLI -----------------------------------------------------------------------------------------
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """The CLI's flags."""
     parser = argparse.ArgumentParser(prog="torchrun -m traincore.train", description=__doc__.splitlines()[0])
     parser.add_argument("--data", required=True, help="staged dataset directory (python -m traincore.stage)")
-    parser.add_argument("--output", required=True, help="run directory: checkpoints, TensorBoard, metrics.jsonl")
+    parser.add_argument("--output", required=True,
+                        help="run directory: checkpoints, TensorBoard, metrics.jsonl")
     parser.add_argument("--preset", default="digits", choices=sorted(PRESETS), help="starting config")
-    parser.add_argument("--config", default="", help='JSON overrides, e.g. \'{"optim": {"lr": 0.01}}\' or a .json file')
+    parser.add_argument("--config", default="",
+                        help='JSON overrides, e.g. \'{"optim": {"lr": 0.01}}\' or a .json file')
     steps = parser.add_mutually_exclusive_group()
     steps.add_argument("--max-steps", type=int, help="train for exactly N optimizer steps")
     steps.add_argument("--epochs", type=int, help="train for N epochs")
@@ -62,20 +254,21 @@ def format_summary(summary: TrainSummary) -> str:
         return (f"nothing to train: step {summary.steps} was already reached (checkpoints in "
                 f"{summary.checkpoint_dir}); val accuracy {val}. Raise --max-steps/--epochs to train on")
     resumed = f", resumed from step {summary.resumed_from}" if summary.resumed_from else ""
-    return (f"trained {summary.steps} steps in {summary.wall_s:.1f} s{resumed}: {summary.samples_per_s:,.0f} "
-            f"samples/s, data-wait {100 * summary.data_wait_share:.1f}%, final loss {summary.final_loss:.4f}, "
-            f"val accuracy {val}; checkpoints in {summary.checkpoint_dir}")
+    return (f"trained {summary.steps} steps in {summary.wall_s:.1f} s{resumed}: "
+            f"{summary.samples_per_s:,.0f} samples/s, data-wait {100 * summary.data_wait_share:.1f}%, "
+            f"final loss {summary.final_loss:.4f}, val accuracy {val}; "
+            f"checkpoints in {summary.checkpoint_dir}")
 
 
 def main(argv: list[str] | None = None) -> int:
+    """CLI: exit code 2 for bad input, found before any process group starts."""
     args = parse_args(argv)
     try:
-        cfg = build_config(args)
-        prepare(cfg, args.data)
+        trainer = Trainer(build_config(args), args.data, args.output, args.checkpoint_dir)
     except (ConfigError, StagingError, ValueError, json.JSONDecodeError, OSError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
-    summary = train(cfg, args.data, args.output, args.checkpoint_dir)
+    summary = trainer.train()
     if int(os.environ.get("RANK", 0)) == 0:
         print(format_summary(summary), flush=True)
     return 0

@@ -10,7 +10,7 @@ from typing import NamedTuple
 
 from flytekit import dynamic, workflow
 
-from tasks.evaluate import evaluate
+from tasks.evaluate import evaluate_model
 from tasks.export import export_model
 from tasks.plan import plan_run
 from tasks.stage import stage_dataset
@@ -21,7 +21,8 @@ from traincore.config import Config
 
 
 @dynamic
-def train_on_backend(config: Config, dataset: StagedDataset, topology: Topology, checkpoint_uri: str) -> TrainResult:
+def train_on_backend(config: Config, dataset: StagedDataset, topology: Topology,
+                     checkpoint_uri: str) -> TrainResult:
     """Launch the train task the topology asks for; the checkpoint root is fixed here, so retries share it."""
     root = checkpoint_uri or default_checkpoint_root()
     return train_task_for(topology, config)(config=config, dataset=dataset, checkpoint_root=root)
@@ -55,14 +56,14 @@ def training_pipeline(
         config_overrides: JSON applied on top of the preset, e.g. '{"loader": {"batch_size": 64}}'.
         epochs: Train for this many epochs (0 keeps the preset's length).
         max_steps: Train for exactly this many optimizer steps instead of epochs (0 = use epochs).
-        backend: Where training runs: 'local' (this machine) or 'kubernetes' (a PyTorchJob); 'slurm' is planned.
+        backend: Where to train: 'local' (this machine) or 'kubernetes' (a PyTorchJob); 'slurm' is planned.
         nnodes: Number of nodes (pods); more than 1 needs backend 'kubernetes'.
         nproc_per_node: Training processes per node (one per GPU on GPU nodes).
         gpus_per_node: GPUs requested per node (0 = CPU training).
-        accelerator: GPU type to schedule on, e.g. 'nvidia-tesla-a100' (empty = any); needs gpus_per_node >= 1.
+        accelerator: GPU type to run on, e.g. 'nvidia-tesla-a100' (empty = any); needs gpus_per_node >= 1.
         max_restarts: torch-elastic restarts of the worker group before the attempt fails.
         checkpoint_uri: Durable checkpoint root (path or s3://, gs://...); empty = keyed by execution id under
-            the raw output prefix. A retry or a relaunch with the same root resumes from its latest checkpoint.
+            the raw output prefix. A retry or relaunch with the same root resumes from its latest checkpoint.
 
     Returns:
         model: The exported model (model.safetensors, its config JSON and sha256).
@@ -76,5 +77,5 @@ def training_pipeline(
     trained = train_on_backend(config=plan.config, dataset=dataset, topology=plan.topology,
                                checkpoint_uri=checkpoint_uri)
     model = export_model(trained=trained)
-    report = evaluate(model=model, dataset=dataset, trained=trained)
+    report = evaluate_model(model=model, dataset=dataset, trained=trained)
     return PipelineOutputs(model=model, report=report)

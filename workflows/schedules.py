@@ -25,7 +25,8 @@ def retrain_and_promote(source: str = "digits", preset: str = "digits", config_o
         The gate's verdict, with the model it judged.
     """
     model, report = training_pipeline(source=source, preset=preset, config_overrides=config_overrides)
-    return promotion_gate(report=report, model=model, threshold=threshold, baseline_accuracy=baseline_accuracy)
+    return promotion_gate(report=report, model=model, threshold=threshold,
+                          baseline_accuracy=baseline_accuracy)
 
 
 # Every Monday at 03:00 UTC on the bundled digits; the baseline stays a default so operators can raise it

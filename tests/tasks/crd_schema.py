@@ -39,21 +39,24 @@ def schema_errors(value, schema: dict, where: str = "") -> list[str]:
         if schema.get("format") == "int32" and not INT32[0] <= value <= INT32[1]:
             return [f"{where}: {value} does not fit int32"]
         return []
-    if kind in _TYPES and (not isinstance(value, _TYPES[kind]) or (kind == "number" and isinstance(value, bool))):
+    if kind in _TYPES and (not isinstance(value, _TYPES[kind])
+                           or (kind == "number" and isinstance(value, bool))):
         return [f"{where}: {value!r} is not of type {kind}"]
     if "enum" in schema and value not in schema["enum"]:
         return [f"{where}: {value!r} is not one of {schema['enum']}"]
     if kind == "string" and "pattern" in schema and not re.search(schema["pattern"], value):
         return [f"{where}: {value!r} does not match {schema['pattern']}"]
     if kind == "array":
-        return [e for i, item in enumerate(value) for e in schema_errors(item, schema.get("items", {}), f"{where}[{i}]")]
+        return [e for i, item in enumerate(value)
+                for e in schema_errors(item, schema.get("items", {}), f"{where}[{i}]")]
     if kind == "object":
         return _object_errors(value, schema, where)
     return []
 
 
 def _object_errors(value: dict, schema: dict, where: str) -> list[str]:
-    errors = [f"{where}: required field {name!r} is missing" for name in schema.get("required", []) if name not in value]
+    errors = [f"{where}: required field {name!r} is missing"
+              for name in schema.get("required", []) if name not in value]
     properties, extra = schema.get("properties"), schema.get("additionalProperties")
     for key, item in value.items():
         path = f"{where}.{key}"

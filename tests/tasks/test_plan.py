@@ -13,16 +13,17 @@ from tasks.plan import (
     plan_run,
 )
 from tasks.types import Topology
-from traincore.config import preset
+from traincore.presets import preset
 
-PLAN_DEFAULTS = dict(source="digits", preset="digits", config_overrides="", epochs=0, max_steps=0, backend="local",
-                     nnodes=1, nproc_per_node=2, gpus_per_node=0, accelerator="", max_restarts=0,
-                     checkpoint_uri="")
+PLAN_DEFAULTS = dict(source="digits", preset="digits", config_overrides="", epochs=0, max_steps=0,
+                     backend="local", nnodes=1, nproc_per_node=2, gpus_per_node=0, accelerator="",
+                     max_restarts=0, checkpoint_uri="")
 
 
 def test_build_config_layers_preset_overrides_and_inputs():
     cfg = build_config("digits", '{"loader": {"batch_size": 48}}', "synthetic", epochs=3, max_steps=0)
-    assert (cfg.loader.batch_size, cfg.data.source, cfg.train.epochs, cfg.train.max_steps) == (48, "synthetic", 3, 0)
+    assert ((cfg.loader.batch_size, cfg.data.source, cfg.train.epochs, cfg.train.max_steps)
+            == (48, "synthetic", 3, 0))
     assert cfg.model == preset("digits").model
     assert build_config("digits", "", "", epochs=0, max_steps=7).train.max_steps == 7
 
@@ -58,7 +59,8 @@ def test_missing_dataset_path_is_named(tmp_path):
     (dict(gpus_per_node=-1), True, r"input gpus_per_node=-1"),
     (dict(nnodes=2), False, r"input nnodes=2 needs backend='kubernetes'"),
     (dict(nnodes=2, backend="kubernetes"), True, r"input nnodes=2 needs a Flyte cluster"),
-    (dict(accelerator="nvidia-tesla-a100"), True, r"input accelerator='nvidia-tesla-a100' needs gpus_per_node"),
+    (dict(accelerator="nvidia-tesla-a100"), True,
+     r"input accelerator='nvidia-tesla-a100' needs gpus_per_node"),
     (dict(gpus_per_node=2, nproc_per_node=4), True, r"input nproc_per_node=4 exceeds gpus_per_node=2"),
 ])
 def test_bad_topology_is_named(changes, local_run, message):
@@ -68,7 +70,8 @@ def test_bad_topology_is_named(changes, local_run, message):
 
 @pytest.mark.parametrize("changes, local_run", [
     ({}, True),
-    (dict(backend="kubernetes", nnodes=4, nproc_per_node=8, gpus_per_node=8, accelerator="nvidia-h100"), False),
+    (dict(backend="kubernetes", nnodes=4, nproc_per_node=8, gpus_per_node=8, accelerator="nvidia-h100"),
+     False),
 ])
 def test_good_topology_passes(changes, local_run):
     check_topology(Topology(**changes), local_run=local_run)

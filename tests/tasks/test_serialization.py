@@ -6,6 +6,7 @@ Kubeflow training operator's CRD schema (../shared/reference beside the reposito
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 import tarfile
@@ -23,11 +24,12 @@ from flytekit.types.directory import FlyteDirectory
 from google.protobuf.json_format import MessageToDict
 
 from tasks.types import StagedDataset, Topology
-from traincore.config import preset
+from traincore.presets import preset
 from workflows.pipeline import train_on_backend
 
 ROOT = Path(__file__).resolve().parents[2]
-CRD = ROOT.parent / "shared" / "reference" / "kubeflow-training-operator-v1.9.0" / "kubeflow.org_pytorchjobs.yaml"
+CRD = (ROOT.parent / "shared" / "reference" / "kubeflow-training-operator-v1.9.0"
+       / "kubeflow.org_pytorchjobs.yaml")
 IMAGE = "ghcr.io/example/flyte-torch-pipeline:test"
 ResourceName = Resources.ResourceName
 SHM = {"mountPath": "/dev/shm", "mountName": "flyte-shared-memory"}
@@ -37,8 +39,9 @@ SHM = {"mountPath": "/dev/shm", "mountName": "flyte-shared-memory"}
 def package(tmp_path_factory) -> dict[str, object]:
     """Every serialised entity of `pyflyte --pkgs workflows package`, by kind and name."""
     out = tmp_path_factory.mktemp("package") / "flyte-package.tgz"
-    subprocess.run([str(Path(sys.executable).parent / "pyflyte"), "--pkgs", "workflows", "package", "--image", IMAGE,
-                    "--output", str(out), "--force"], cwd=ROOT, check=True, capture_output=True, text=True)
+    subprocess.run([str(Path(sys.executable).parent / "pyflyte"), "--pkgs", "workflows", "package",
+                    "--image", IMAGE, "--output", str(out), "--force"],
+                   cwd=ROOT, check=True, capture_output=True, text=True)
     entities: dict[str, object] = {}
     with tarfile.open(out) as archive:
         for member in archive.getmembers():
@@ -53,9 +56,11 @@ def package(tmp_path_factory) -> dict[str, object]:
 
 def test_package_holds_every_task_workflow_and_launch_plan(package):
     expected = {f"TaskSpec:{name}" for name in (
-        "tasks.plan.plan_run", "tasks.stage.stage_dataset", "tasks.train.train-1x2", "tasks.export.export_model",
-        "tasks.evaluate.evaluate", "tasks.promote.promotion_gate", "workflows.pipeline.train_on_backend")}
-    expected |= {"WorkflowSpec:workflows.pipeline.training_pipeline", "WorkflowSpec:workflows.schedules.retrain_and_promote",
+        "tasks.plan.plan_run", "tasks.stage.stage_dataset", "tasks.train.train-1x2",
+        "tasks.export.export_model", "tasks.evaluate.evaluate_model", "tasks.promote.promotion_gate",
+        "workflows.pipeline.train_on_backend")}
+    expected |= {"WorkflowSpec:workflows.pipeline.training_pipeline",
+                 "WorkflowSpec:workflows.schedules.retrain_and_promote",
                  "LaunchPlan:scheduled_retraining", "LaunchPlan:workflows.pipeline.training_pipeline"}
     assert expected <= set(package)
 
@@ -79,11 +84,13 @@ def test_packaged_staging_is_cached_by_format_version(package):
 
 def compile_train(topology: Topology) -> TaskTemplate:
     """Run the launching @dynamic as the cluster would and return the train task it emits."""
-    settings = SerializationSettings(image_config=ImageConfig(default_image=Image(name="default", fqn=IMAGE.split(":")[0],
+    settings = SerializationSettings(image_config=ImageConfig(default_image=Image(name="default",
+                                                                                  fqn=IMAGE.split(":")[0],
                                                                                   tag="test")),
                                      project="flytesnacks", domain="development", version="v1", env={})
-    dataset = StagedDataset(directory=FlyteDirectory("s3://bucket/staged"), source="digits", classes=list("0123456789"),
-                            shape=[1, 32, 32], counts={"train": 1437, "val": 180, "test": 180}, format_version=1)
+    dataset = StagedDataset(directory=FlyteDirectory("s3://bucket/staged"), source="digits",
+                            classes=list("0123456789"), shape=[1, 32, 32],
+                            counts={"train": 1437, "val": 180, "test": 180}, format_version=1)
     inputs = {"config": preset("digits"), "dataset": dataset, "topology": topology, "checkpoint_uri": "s3://bucket/run"}
     train_on_backend._wf = None  # flytekit compiles a dynamic once per process (a pod runs one); start afresh
     ctx = FlyteContextManager.current_context()
@@ -102,23 +109,27 @@ def pytorch_job(template: TaskTemplate) -> dict:
     names = {ResourceName.CPU: "cpu", ResourceName.MEMORY: "memory", ResourceName.GPU: "nvidia.com/gpu"}
     resources = {
         kind: {names[entry.name]: entry.value for entry in entries}
-        for kind, entries in (("requests", container.resources.requests), ("limits", container.resources.limits))
+        for kind, entries in (("requests", container.resources.requests),
+                              ("limits", container.resources.limits))
         if entries}
     elastic = custom["elasticConfig"]
     pod = {"containers": [{"name": "pytorch", "image": container.image, "args": list(container.args),
-                           "resources": resources, "volumeMounts": [{"name": "shm", "mountPath": "/dev/shm"}]}],
+                           "resources": resources,
+                           "volumeMounts": [{"name": "shm", "mountPath": "/dev/shm"}]}],
            "volumes": [{"name": "shm", "emptyDir": {"medium": "Memory"}}]}
     accelerator = template.extended_resources.gpu_accelerator.device
     if accelerator:
         pod["nodeSelector"] = {"k8s.amazonaws.com/accelerator": accelerator}
-    clean = {"CLEANPOD_POLICY_NONE": "None", "CLEANPOD_POLICY_ALL": "All", "CLEANPOD_POLICY_RUNNING": "Running"}
+    clean = {"CLEANPOD_POLICY_NONE": "None", "CLEANPOD_POLICY_ALL": "All",
+             "CLEANPOD_POLICY_RUNNING": "Running"}
     return {"apiVersion": "kubeflow.org/v1", "kind": "PyTorchJob", "metadata": {"name": "f-train"}, "spec": {
         "elasticPolicy": {"rdzvBackend": elastic["rdzvBackend"], "minReplicas": elastic["minReplicas"],
                           "maxReplicas": elastic["maxReplicas"], "nProcPerNode": elastic["nprocPerNode"],
                           "maxRestarts": elastic.get("maxRestarts", 0)},
-        "runPolicy": {"cleanPodPolicy": clean[custom.get("runPolicy", {}).get("cleanPodPolicy", "CLEANPOD_POLICY_NONE")]},
-        "pytorchReplicaSpecs": {"Worker": {"replicas": custom["workerReplicas"]["replicas"], "restartPolicy": "Never",
-                                           "template": {"spec": pod}}}}}
+        "runPolicy": {"cleanPodPolicy": clean[custom.get("runPolicy", {}).get("cleanPodPolicy",
+                                                                              "CLEANPOD_POLICY_NONE")]},
+        "pytorchReplicaSpecs": {"Worker": {"replicas": custom["workerReplicas"]["replicas"],
+                                           "restartPolicy": "Never", "template": {"spec": pod}}}}}
 
 
 def test_multi_node_launch_becomes_an_elastic_pytorch_job_with_the_requested_gpus():
@@ -148,11 +159,15 @@ def test_single_node_launch_stays_a_plain_pod():
     assert not template.extended_resources.gpu_accelerator.device
 
 
-@pytest.mark.skipif(not CRD.is_file(), reason=f"CRD schema not found at {CRD} (shared/ beside the clone)")
 def test_pytorch_job_conforms_to_the_training_operator_crd():
+    if not CRD.is_file():
+        missing = f"CRD schema not found at {CRD} (shared/ beside the clone)"
+        if os.environ.get("CI") == "true":
+            pytest.fail(f"{missing}: CI must validate against it")
+        pytest.skip(missing)
     schema = load_crd_schema(CRD)
-    job = pytorch_job(compile_train(Topology(backend="kubernetes", nnodes=3, nproc_per_node=2, gpus_per_node=2,
-                                             accelerator="nvidia-l4", max_restarts=0)))
+    job = pytorch_job(compile_train(Topology(backend="kubernetes", nnodes=3, nproc_per_node=2,
+                                             gpus_per_node=2, accelerator="nvidia-l4", max_restarts=0)))
     assert schema_errors(job, schema) == []
     assert job["spec"]["elasticPolicy"]["nProcPerNode"] == 2
     assert job["spec"]["pytorchReplicaSpecs"]["Worker"]["template"]["spec"]["containers"][0]["resources"][

@@ -8,7 +8,8 @@ from pathlib import Path
 import tasks.stage
 from tasks.stage import stage_dataset
 from traincore.config import DataConfig
-from traincore.data import Manifest, stage
+from traincore.data import Manifest
+from traincore.stage import stage
 
 DATA = DataConfig(source="synthetic", image_size=8, synthetic_samples=60, synthetic_classes=3)
 

@@ -16,7 +16,8 @@ def remote_directory(fs, uri: str) -> FlyteDirectory:
     """A FlyteDirectory as a task receives it for an object-store literal."""
     fs.pipe({f"{uri}/manifest.json": b"{}", f"{uri}/train-00000.u8": bytes(range(256))})
     ctx = FlyteContextManager.current_context()
-    literal = TypeEngine.to_literal(ctx, FlyteDirectory(uri), FlyteDirectory, TypeEngine.to_literal_type(FlyteDirectory))
+    literal = TypeEngine.to_literal(ctx, FlyteDirectory(uri), FlyteDirectory,
+                                    TypeEngine.to_literal_type(FlyteDirectory))
     return TypeEngine.to_python_value(ctx, literal, FlyteDirectory)
 
 
@@ -31,7 +32,7 @@ def test_remote_directories_download_once_per_node(tmp_path, monkeypatch):
     fs = fsspec.filesystem("memory")
     directory = remote_directory(fs, "memory://bucket/staged")
     assert directory.remote_source == "memory://bucket/staged"
-    assert pickle.loads(pickle.dumps(directory)).remote_source == directory.remote_source  # crosses to workers
+    assert pickle.loads(pickle.dumps(directory)).remote_source == directory.remote_source  # sent to workers
 
     downloads = []
     original = FileAccessProvider.get_data

@@ -6,7 +6,6 @@ import flytekit
 import pytest
 from flytekit.exceptions.user import FlyteRecoverableException
 from flytekit.tools.module_loader import load_object_from_module
-from flytekit.types.directory import FlyteDirectory
 from flytekitplugins.kfpytorch.task import PytorchElasticFunctionTask
 from torch.distributed import DistNetworkError
 from torch.distributed.elastic.rendezvous.api import RendezvousTimeoutError
@@ -14,31 +13,41 @@ from torch.distributed.elastic.rendezvous.api import RendezvousTimeoutError
 import tasks.train as train_module
 from tasks.train import ElasticTrainTask, train_task, train_task_for
 from tasks.types import StagedDataset, Topology
-from traincore.config import ConfigError, preset
+from traincore.config import ConfigError
+from traincore.data import Manifest
+from traincore.presets import preset
 
 
 @pytest.fixture
 def dataset(synthetic_dir) -> StagedDataset:
-    return StagedDataset(directory=FlyteDirectory(str(synthetic_dir)), source="synthetic", classes=["a"] * 4,
-                         shape=[3, 8, 8], counts={"train": 80, "val": 10, "test": 10}, format_version=1)
+    return StagedDataset.from_manifest(synthetic_dir, Manifest.load(synthetic_dir))
+
+
+def failing_trainer(error: Exception) -> type:
+    """A stand-in for traincore's Trainer whose run fails with ``error``."""
+
+    class Failing:
+        def __init__(self, *args, **kwargs):
+            pass
+
+        def train(self):
+            raise error
+
+    return Failing
 
 
 def test_worker_turns_lost_peers_into_recoverable_errors(monkeypatch, dataset, tmp_path):
-    def lose_peer(*args, **kwargs):
-        raise DistNetworkError("Connection reset by peer")
-
-    monkeypatch.setattr(train_module.traincore.train, "run", lose_peer)
+    monkeypatch.setattr(train_module, "Trainer",
+                        failing_trainer(DistNetworkError("Connection reset by peer")))
     with pytest.raises(FlyteRecoverableException, match="transiently"):
-        train_module.train(preset("debug"), dataset, str(tmp_path))
+        train_module.train_model(preset("debug"), dataset, str(tmp_path))
 
 
 def test_worker_lets_user_errors_through(monkeypatch, dataset, tmp_path):
-    def bad_config(*args, **kwargs):
-        raise ConfigError("loader.batch_size=0 is invalid")
-
-    monkeypatch.setattr(train_module.traincore.train, "run", bad_config)
+    monkeypatch.setattr(train_module, "Trainer",
+                        failing_trainer(ConfigError("loader.batch_size=0 is invalid")))
     with pytest.raises(ConfigError):
-        train_module.train(preset("debug"), dataset, str(tmp_path))
+        train_module.train_model(preset("debug"), dataset, str(tmp_path))
 
 
 def test_rendezvous_timeout_is_recoverable(monkeypatch, dataset, tmp_path):
@@ -81,11 +90,6 @@ def test_resolver_rebuilds_the_same_task_from_its_command():
     rebuilt = resolver.load_task(resolver.loader_args(None, task))
     assert isinstance(rebuilt, ElasticTrainTask)
     assert rebuilt.task_config == task.task_config and rebuilt.name == task.name
-
-
-def test_backends_without_a_train_task_are_refused():
-    with pytest.raises(ValueError, match="backend='slurm' has no train task yet"):
-        train_task_for(Topology(backend="slurm"), preset("digits"))
 
 
 def test_mounted_wandb_secret_reaches_validation_and_workers(tmp_path, monkeypatch):

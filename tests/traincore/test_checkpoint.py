@@ -20,20 +20,21 @@ import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel
 
 from traincore import checkpoint_files, checkpoint_writer
-from traincore.checkpoint import Checkpointer, TrainState, unwrap_model
+from traincore.checkpoint import Checkpointer
 from traincore.checkpoint_files import (
     MARKER,
     CheckpointError,
     complete_steps,
     latest_complete,
-    read_checkpoint,
     read_marker,
     step_dir,
     verify_checkpoint,
 )
+from traincore.checkpoint_format import open_saved, read_checkpoint
 from traincore.checkpoint_writer import ChecksumWriter
 from traincore.config import CHECKPOINT_MODES, CheckpointConfig, Config, ModelConfig
 from traincore.models import build_model
+from traincore.state import Progress, StateRegistry, training_registry, unwrap_model
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
 
@@ -52,6 +53,23 @@ class CountingLoader:
 
     def load_state_dict(self, state: dict) -> None:
         self.position = dict(state)
+
+
+class TrainState:
+    """A run's parts and their state registry, registered as the Trainer registers them."""
+
+    def __init__(self, model, optimizer, scheduler, loader, meta: dict):
+        self.model, self.optimizer, self.scheduler, self.loader = model, optimizer, scheduler, loader
+        self.progress = Progress()
+        self.registry = training_registry(model, optimizer, scheduler, loader, self.progress, meta)
+
+    @property
+    def step(self) -> int:
+        return self.progress.step
+
+    @step.setter
+    def step(self, value: int) -> None:
+        self.progress.step = value
 
 
 def make_state(width: int = 16, seed: int = 0, world_size: int = 1) -> TrainState:
@@ -110,25 +128,26 @@ def assert_marker_matches_disk(directory: Path) -> None:
     """The marker lists every other file of the directory with its true size and CRC32."""
     files = {p.relative_to(directory).as_posix(): p.read_bytes() for p in directory.rglob("*")
              if p.is_file() and p.name != MARKER}
-    expected = {name: {"bytes": len(data), "crc32": f"{zlib.crc32(data):08x}"} for name, data in files.items()}
+    expected = {name: {"bytes": len(data), "crc32": f"{zlib.crc32(data):08x}"}
+                for name, data in files.items()}
     assert read_marker(directory)["files"] == expected
 
 
 def save_steps(root: Path, mode: str, steps: list[int], **cfg) -> TrainState:
     """Train one state and save it at each of ``steps``."""
     state = make_state()
-    checkpointer = Checkpointer(root, CheckpointConfig(mode=mode, **cfg))
+    checkpointer = Checkpointer(root, CheckpointConfig(mode=mode, **cfg), state.registry)
     for step in steps:
         train(state, step - state.step)
-        checkpointer.save(state)
+        checkpointer.save(state.step)
     checkpointer.close()
     return state
 
 
 def load(root: Path, state: TrainState | None = None, step: int | None = None, **cfg) -> int | None:
-    checkpointer = Checkpointer(root, CheckpointConfig(**cfg))
+    checkpointer = Checkpointer(root, CheckpointConfig(**cfg), (state or make_state(seed=1)).registry)
     try:
-        return checkpointer.load(state or make_state(seed=1), step)
+        return checkpointer.load(step)
     finally:
         checkpointer.close()
 
@@ -157,7 +176,8 @@ def test_round_trip_restores_everything_bitwise(tmp_path, mode, caplog):
 def test_checksums_are_computed_while_writing(tmp_path, mode, monkeypatch):
     read_back = []
     original = checkpoint_files.file_checksum
-    monkeypatch.setattr(checkpoint_files, "file_checksum", lambda path: read_back.append(path) or original(path))
+    monkeypatch.setattr(checkpoint_files, "file_checksum",
+                        lambda path: read_back.append(path) or original(path))
     save_steps(tmp_path, mode, [1])
     # Only DCP's small .metadata, renamed after it was written, is read back to checksum it.
     assert [p.name for p in read_back] == ([] if mode == "sync" else [".metadata"])
@@ -171,7 +191,8 @@ def _open_flags(fd: int) -> int:
     return int(next(line for line in lines if line.startswith("flags:")).split()[1], 8)
 
 
-@pytest.mark.skipif(not hasattr(os, "O_DIRECT") or not Path("/proc/self/fdinfo").is_dir(), reason="Linux only")
+@pytest.mark.skipif(not hasattr(os, "O_DIRECT") or not Path("/proc/self/fdinfo").is_dir(),
+                    reason="Linux only")
 @pytest.mark.parametrize("direct", [True, False])
 def test_checksum_writer_streams_blocks_and_checksums_every_byte(tmp_path, monkeypatch, direct):
     monkeypatch.setattr(checkpoint_writer, "_WRITE_BLOCK", 1 << 16)  # small blocks: many full ones and a tail
@@ -272,7 +293,8 @@ def test_format_version_mismatch_is_rejected(tmp_path, monkeypatch):
     with monkeypatch.context() as patch:
         patch.setattr(checkpoint_files, "FORMAT_VERSION", 99)
         save_steps(tmp_path, "sync", [1])
-    with pytest.raises(CheckpointError, match=f"format version 99.* reads version {checkpoint_files.FORMAT_VERSION}"):
+    with pytest.raises(CheckpointError,
+                       match=f"format version 99.* reads version {checkpoint_files.FORMAT_VERSION}"):
         load(tmp_path)
 
 
@@ -289,7 +311,7 @@ def test_model_shape_mismatch_names_parameter_and_config(tmp_path, mode):
 def test_compiled_model_saves_canonical_names(tmp_path):
     state = make_state()
     state.model = torch.compile(state.model)  # a wrapper with _orig_mod; nothing compiles before forward
-    Checkpointer(tmp_path, CheckpointConfig(mode="sync")).save(state)
+    Checkpointer(tmp_path, CheckpointConfig(mode="sync"), state.registry).save(state.step)
     weights, extra = read_checkpoint(step_dir(tmp_path, 0))
     assert list(weights) == list(unwrap_model(state.model).state_dict())
     assert extra["meta"]["num_classes"] == 10
@@ -297,7 +319,7 @@ def test_compiled_model_saves_canonical_names(tmp_path):
 
 def test_world_size_without_process_group_is_rejected(tmp_path):
     with pytest.raises(CheckpointError, match="world_size=2 needs an initialised process group"):
-        Checkpointer(tmp_path, CheckpointConfig(), rank=0, world_size=2)
+        Checkpointer(tmp_path, CheckpointConfig(), StateRegistry(), rank=0, world_size=2)
 
 
 @pytest.mark.gpu
@@ -310,8 +332,8 @@ def test_async_save_from_cuda_round_trip(tmp_path):
     x = torch.randn(BATCH, *SHAPE, device="cuda")
     state.model(x).sum().backward()
     state.optimizer.step()
-    checkpointer = Checkpointer(tmp_path, CheckpointConfig(mode="async"))
-    checkpointer.save(state)
+    checkpointer = Checkpointer(tmp_path, CheckpointConfig(mode="async"), state.registry)
+    checkpointer.save(state.step)
     checkpointer.close()
     assert load(tmp_path, resumed, mode="async") == 0
     assert_same(snapshot(state), snapshot(resumed))
@@ -319,7 +341,8 @@ def test_async_save_from_cuda_round_trip(tmp_path):
 
 # ---- several processes -------------------------------------------------------------------------
 
-def _worker(rank: int, world_size: int, rendezvous: str, action: str, root: str, modes: str, out: str) -> None:
+def _worker(rank: int, world_size: int, rendezvous: str, action: str, root: str, modes: str,
+            out: str) -> None:
     dist.init_process_group("gloo", init_method=f"file://{rendezvous}", rank=rank, world_size=world_size,
                             timeout=timedelta(seconds=60))
     try:
@@ -328,11 +351,13 @@ def _worker(rank: int, world_size: int, rendezvous: str, action: str, root: str,
         dist.destroy_process_group()
 
 
-def run_ranks(tmp_path: Path, world_size: int, action: str, root: Path, modes: str, timeout: float = 120) -> None:
+def run_ranks(tmp_path: Path, world_size: int, action: str, root: Path, modes: str,
+              timeout: float = 120) -> None:
     """Run ``action`` on ``world_size`` spawned gloo processes; fail (not hang) after ``timeout`` seconds."""
     rendezvous = tmp_path / f"rendezvous-{action}-{world_size}-{time.monotonic_ns()}"
     context = mp.start_processes(_worker, args=(world_size, str(rendezvous), action, str(root), modes,
-                                                str(tmp_path)), nprocs=world_size, join=False, start_method="spawn")
+                                                str(tmp_path)),
+                                 nprocs=world_size, join=False, start_method="spawn")
     deadline = time.monotonic() + timeout
     while not context.join(timeout=1):
         if time.monotonic() > deadline:
@@ -343,12 +368,12 @@ def run_ranks(tmp_path: Path, world_size: int, action: str, root: Path, modes: s
 
 def _save_twice(rank: int, world_size: int, root: Path, modes: str, out: Path) -> None:
     state = make_state(world_size=world_size)
-    checkpointers = [Checkpointer(root / mode, CheckpointConfig(mode=mode), rank, world_size)
+    checkpointers = [Checkpointer(root / mode, CheckpointConfig(mode=mode), state.registry, rank, world_size)
                      for mode in modes.split(",")]
     for steps in (3, 2):
         train(state, steps, rank, world_size)
         for checkpointer in checkpointers:
-            checkpointer.save(state)
+            checkpointer.save(state.step)
     for checkpointer in checkpointers:
         checkpointer.close()
     if rank == 0:
@@ -362,8 +387,9 @@ def check_resumed(rank: int, world_size: int, root: Path, modes: str, out: Path)
         torch.manual_seed(99 + rank)
         expected_draw = torch.rand(3)
         torch.manual_seed(99 + rank)
-        checkpointer = Checkpointer(root / mode, CheckpointConfig(mode=mode), rank, world_size)
-        assert checkpointer.load(state) == 5
+        checkpointer = Checkpointer(root / mode, CheckpointConfig(mode=mode), state.registry, rank,
+                                    world_size)
+        assert checkpointer.load() == 5
         checkpointer.close()
         assert torch.equal(torch.rand(3), expected_draw)
         assert_same(torch.load(out / "expected.pt", weights_only=True), snapshot(state))
@@ -371,11 +397,12 @@ def check_resumed(rank: int, world_size: int, root: Path, modes: str, out: Path)
 
 def _save_async_every_step(rank: int, world_size: int, root: Path, modes: str, out: Path) -> None:
     state = make_state(world_size=world_size)
-    checkpointer = Checkpointer(root, CheckpointConfig(mode="async", keep_last=100), rank, world_size)
+    checkpointer = Checkpointer(root, CheckpointConfig(mode="async", keep_last=100), state.registry, rank,
+                                world_size)
     weights = {}
     for _ in range(30):
         train(state, 1, rank, world_size)
-        checkpointer.save(state)  # the next training step changes the weights while this write runs
+        checkpointer.save(state.step)  # the next training step changes the weights while this write runs
         weights[state.step] = snapshot(state)["model"]
     checkpointer.close()
     rng_after_last_save = draw_rng()
@@ -383,14 +410,15 @@ def _save_async_every_step(rank: int, world_size: int, root: Path, modes: str, o
         torch.save(weights, out / "weights-per-step.pt")
 
     resumed = make_state(seed=7, world_size=world_size)
-    checkpointer = Checkpointer(root, CheckpointConfig(mode="async"), rank, world_size)
-    assert checkpointer.load(resumed) == 30
+    checkpointer = Checkpointer(root, CheckpointConfig(mode="async"), resumed.registry, rank, world_size)
+    assert checkpointer.load() == 30
     checkpointer.close()
     assert draw_rng() == rng_after_last_save  # same world size: each rank gets its own RNG back
     assert_same(snapshot(state), snapshot(resumed))
 
 
-ACTIONS = {"save_twice": _save_twice, "check_resumed": check_resumed, "async_every_step": _save_async_every_step}
+ACTIONS = {"save_twice": _save_twice, "check_resumed": check_resumed,
+           "async_every_step": _save_async_every_step}
 
 
 def test_two_ranks_save_resume_on_three_and_one(tmp_path):
@@ -404,7 +432,8 @@ def test_two_ranks_save_resume_on_three_and_one(tmp_path):
         assert_marker_matches_disk(step_dir(root / mode, 5))  # every rank's checksums reached the marker
         weights, extra = read_checkpoint(step_dir(root / mode, 5))  # consolidated without a process group
         assert all(torch.equal(weights[name], tensor) for name, tensor in expected["model"].items())
-        assert extra["step"] == 5 and len(extra["rng"]) == 2
+        directory = step_dir(root / mode, 5)
+        assert extra["step"] == 5 and len(open_saved(directory, read_marker(directory)).per_rank) == 2
 
 
 def test_async_save_every_step_never_tears_or_mixes_steps(tmp_path):

@@ -7,6 +7,7 @@ import json
 import pytest
 
 from traincore import config as C
+from traincore import presets
 from traincore.config import Config, ConfigError, DataConfig, LoaderConfig, parse_source
 
 
@@ -75,15 +76,26 @@ def test_bad_overrides(overrides, message):
         Config().with_overrides(overrides)
 
 
-@pytest.mark.parametrize("name", sorted(C.PRESETS))
+@pytest.mark.parametrize("name", sorted(presets.PRESETS))
 def test_presets_round_trip_through_json(name):
-    cfg = C.preset(name)
+    cfg = presets.preset(name)
     assert Config.from_dict(json.loads(cfg.to_json())) == cfg
 
 
 def test_unknown_preset_lists_choices():
     with pytest.raises(ConfigError, match="presets are debug"):
-        C.preset("huge")
+        presets.preset("huge")
+
+
+def test_deterministic_only_off_for_the_gpu_preset():
+    assert presets.imagenet_like().train.deterministic is False  # slow cuDNN convolutions otherwise
+    assert presets.digits().train.deterministic is True  # CPU runs keep bitwise resume
+    assert C.TrainConfig().deterministic is True
+
+
+def test_presets_live_outside_config():
+    for name in ("debug", "digits", "imagenet_like", "PRESETS", "preset"):
+        assert not hasattr(C, name), f"traincore.config.{name} should live in traincore.presets only"
 
 
 def test_profile_window():

@@ -11,8 +11,10 @@ import numpy as np
 import pytest
 
 from traincore.config import DataConfig
-from traincore.data import SPLITS, Manifest, StagingError, split_counts, stage
+from traincore.data import SPLITS, Manifest, StagingError
 from traincore.loader import StagedSplit
+from traincore.sources import split_counts
+from traincore.stage import stage
 
 
 def read_split(directory: Path, split: str) -> tuple[np.ndarray, np.ndarray]:
@@ -23,7 +25,8 @@ def read_split(directory: Path, split: str) -> tuple[np.ndarray, np.ndarray]:
 
 
 def shard_hashes(manifest: Manifest) -> list[str]:
-    return [h for info in manifest.splits.values() for s in info.shards for h in (s.images_sha256, s.labels_sha256)]
+    return [h for info in manifest.splits.values() for s in info.shards
+            for h in (s.images_sha256, s.labels_sha256)]
 
 
 def image_keys(images: np.ndarray) -> set[bytes]:
@@ -34,7 +37,8 @@ def test_synthetic_round_trip(synthetic_dir):
     manifest = Manifest.load(synthetic_dir)
     assert manifest.shape == (3, 8, 8)
     assert manifest.classes == [f"class_{k}" for k in range(4)]
-    assert {name: info.count for name, info in manifest.splits.items()} == {"train": 80, "val": 10, "test": 10}
+    counts = {name: info.count for name, info in manifest.splits.items()}
+    assert counts == {"train": 80, "val": 10, "test": 10}
     assert [s.count for s in manifest.splits["train"].shards] == [32, 32, 16]
     images, labels = read_split(synthetic_dir, "train")
     assert images.shape == (80, 3, 8, 8) and images.dtype == np.uint8
@@ -116,7 +120,7 @@ def test_non_staged_directory_at_output_is_refused(synthetic_config, tmp_path):
 
 
 def test_failing_source_leaves_nothing(synthetic_config, tmp_path, monkeypatch):
-    import traincore.data as data
+    import traincore.stage
 
     def failing(cfg):
         def chunks():
@@ -124,7 +128,7 @@ def test_failing_source_leaves_nothing(synthetic_config, tmp_path, monkeypatch):
             raise OSError("source went away")
         return ["a", "b"], chunks()
 
-    monkeypatch.setattr(data, "synthetic_source", failing)
+    monkeypatch.setattr(traincore.stage, "synthetic_source", failing)
     with pytest.raises(OSError, match="source went away"):
         stage(synthetic_config, tmp_path / "out" / "data")
     assert list((tmp_path / "out").iterdir()) == []

@@ -11,19 +11,20 @@ import torch.nn.functional as F
 from sklearn.metrics import confusion_matrix as sk_confusion
 from sklearn.metrics import precision_score, recall_score
 
-from traincore import train
-from traincore.config import preset
 from traincore.data import StagingError
 from traincore.evaluate import confusion_matrix, evaluate, main, precision_recall
 from traincore.export import export, load_exported
 from traincore.loader import StagedSplit
+from traincore.presets import preset
+from traincore.train import Trainer
 
 
 def test_metric_maths_matches_scikit_learn():
     rng = np.random.default_rng(0)
     labels = rng.integers(0, 5, size=300)
     labels[labels == 4] = 0  # class 4 never occurs: recall undefined -> 0
-    predictions = np.where(rng.random(300) < 0.7, labels, rng.integers(0, 4, size=300))  # 4 never predicted either
+    # Class 4 is never predicted either: precision undefined -> 0.
+    predictions = np.where(rng.random(300) < 0.7, labels, rng.integers(0, 4, size=300))
     confusion = confusion_matrix(torch.from_numpy(labels), torch.from_numpy(predictions), num_classes=5)
     assert confusion.tolist() == sk_confusion(labels, predictions, labels=range(5)).tolist()
     precision, recall = precision_recall(confusion)
@@ -37,7 +38,7 @@ def exported(synthetic_dir, tmp_path_factory):
     """A small CNN trained for a few steps on the synthetic data, exported to safetensors."""
     run = tmp_path_factory.mktemp("evaluate-run")
     cfg = preset("debug").with_overrides({"train.max_steps": 15, "loader.batch_size": 16})
-    train.run(cfg, synthetic_dir, run / "train")
+    Trainer(cfg, synthetic_dir, run / "train").train()
     return export(run / "train" / "checkpoints", run / "model" / "model.safetensors").path
 
 

@@ -7,17 +7,19 @@ import os
 import subprocess
 import sys
 from pathlib import Path
-from types import SimpleNamespace
 
 import pytest
 import torch
 import torch.nn.functional as F
+from torch import nn
 
-from traincore.checkpoint import Checkpointer, TrainState
-from traincore.checkpoint_files import CheckpointError, sha256_file, step_dir
+import traincore.export
+from traincore.checkpoint import Checkpointer
+from traincore.checkpoint_files import CheckpointError, sha256_file, step_dir, verify_checkpoint
 from traincore.config import CheckpointConfig, Config, ModelConfig
 from traincore.export import ExportError, export, load_exported, main
 from traincore.models import build_model, parameter_count
+from traincore.state import ModelState, OptimizerState, RunMeta, StateRegistry
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
 
@@ -25,28 +27,29 @@ REPO = Path(__file__).resolve().parents[2]
 SHAPE = (1, 8, 8)
 
 
-def trained_checkpoint(root: Path, mode: str, steps: int = 4) -> TrainState:
-    """Train a tiny small_cnn (BatchNorm buffers included) a few steps and save it under ``root``."""
+def trained_checkpoint(root: Path, mode: str, steps: int = 4) -> nn.Module:
+    """Train a tiny small_cnn (BatchNorm buffers included) a few steps, save it under ``root``, return it."""
     torch.manual_seed(0)
     model_cfg = ModelConfig(name="small_cnn", width=4)
     model = build_model(model_cfg, 3, SHAPE)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0)
-    loader = SimpleNamespace(state_dict=lambda: {"seed": 0, "epoch": 0, "consumed": 0}, load_state_dict=lambda state: None)
     meta = {"config": Config(model=model_cfg).to_dict(), "num_classes": 3, "shape": list(SHAPE),
             "classes": ["a", "b", "c"], "mean": [0.5], "std": [0.25], "source": "synthetic", "world_size": 1}
-    state = TrainState(model, optimizer, scheduler, loader, step=steps, meta=meta)
     for _ in range(steps):
         F.cross_entropy(model(torch.randn(8, *SHAPE)), torch.randint(0, 3, (8,))).backward()
         optimizer.step()
         optimizer.zero_grad()
-    Checkpointer(root, CheckpointConfig(mode=mode)).save(state)
-    return state
+    registry = StateRegistry()
+    registry.register("model", ModelState(model))
+    registry.register("optimizer", OptimizerState(model, optimizer))
+    registry.register("run", RunMeta(meta))
+    Checkpointer(root, CheckpointConfig(mode=mode), registry).save(steps)
+    return model
 
 
 @pytest.mark.parametrize("mode", ["sync", "dcp"])
 def test_export_matches_the_trained_model(tmp_path, mode):
-    state = trained_checkpoint(tmp_path / "checkpoints", mode)
+    model = trained_checkpoint(tmp_path / "checkpoints", mode)
     output = tmp_path / "out" / "model.safetensors"
     result = export(tmp_path / "checkpoints", output)  # the root: latest complete step
 
@@ -55,7 +58,7 @@ def test_export_matches_the_trained_model(tmp_path, mode):
     assert result.sha256 == config["sha256"] == sha256_file(output)
     assert result.num_bytes == output.stat().st_size
     assert result.step == config["step"] == 4
-    assert result.num_parameters == config["num_parameters"] == parameter_count(state.model)
+    assert result.num_parameters == config["num_parameters"] == parameter_count(model)
     assert config["classes"] == ["a", "b", "c"] and config["shape"] == list(SHAPE)
     assert config["model"]["name"] == "small_cnn" and config["checkpoint_mode"] == mode
 
@@ -63,7 +66,7 @@ def test_export_matches_the_trained_model(tmp_path, mode):
     assert loaded_config == config and not exported.training
     x = torch.randn(5, *SHAPE)
     with torch.no_grad():
-        assert torch.equal(exported(x), state.model.eval()(x))
+        assert torch.equal(exported(x), model.eval()(x))
 
 
 def test_export_from_a_step_directory(tmp_path):
@@ -91,10 +94,66 @@ def test_corrupted_checkpoint_is_not_exported(tmp_path):
     assert not (tmp_path / "model.safetensors").exists()
 
 
+@pytest.mark.parametrize("name, match", [
+    ("out", "is a directory: pass a file path such as"),
+    ("m.json", "use a .safetensors name such as"),
+    ("checkpoints/step-000004/model.safetensors", "inside the checkpoint .* being exported"),
+])
+def test_export_refuses_an_output_it_cannot_own(tmp_path, name, match):
+    trained_checkpoint(tmp_path / "checkpoints", "sync")
+    (tmp_path / "out").mkdir()
+    before = sorted(p.name for p in (tmp_path / "checkpoints" / "step-000004").iterdir())
+    with pytest.raises(ExportError, match=match):
+        export(tmp_path / "checkpoints", tmp_path / name)
+    assert not (tmp_path / "m.json").exists() and not any((tmp_path / "out").iterdir())
+    assert sorted(p.name for p in (tmp_path / "checkpoints" / "step-000004").iterdir()) == before
+    verify_checkpoint(step_dir(tmp_path / "checkpoints", 4))
+
+
+def wrong_logits(x: torch.Tensor) -> torch.Tensor:
+    return torch.zeros(len(x), 7)
+
+
+def shape_error(x: torch.Tensor) -> torch.Tensor:
+    raise RuntimeError("mat1 and mat2 shapes cannot be multiplied")
+
+
+@pytest.mark.parametrize("forward, match", [
+    (wrong_logits, r"maps a batch of 2 to logits of shape \(2, 7\), expected \(2, 3\)"),
+    (shape_error, r"fails on a batch of 2 inputs of shape \(1, 8, 8\) \(mat1 and mat2"),
+])
+def test_a_model_that_fails_the_forward_pass_is_not_published(tmp_path, monkeypatch, forward, match):
+    trained_checkpoint(tmp_path / "checkpoints", "sync")
+
+    def broken(*args) -> nn.Module:  # the checkpoint's weights load, but the model does not work
+        model = build_model(*args)
+        model.forward = forward
+        return model
+
+    monkeypatch.setattr(traincore.export, "build_model", broken)
+    with pytest.raises(ExportError, match=match):
+        export(tmp_path / "checkpoints", tmp_path / "out" / "model.safetensors")
+    assert list((tmp_path / "out").iterdir()) == []  # neither the model, nor its config, nor a .tmp
+
+
+def test_a_failed_write_leaves_no_tmp_file(tmp_path, monkeypatch):
+    trained_checkpoint(tmp_path / "checkpoints", "sync")
+
+    def disk_full(tensors, path):
+        Path(path).write_bytes(b"half a file")
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(traincore.export, "save_file", disk_full)
+    with pytest.raises(OSError, match="No space left"):
+        export(tmp_path / "checkpoints", tmp_path / "out" / "model.safetensors")
+    assert list((tmp_path / "out").iterdir()) == []
+
+
 def test_cli_missing_checkpoint_exits_2(tmp_path):
     env = {**os.environ, "PYTHONPATH": str(REPO)}
-    done = subprocess.run([sys.executable, "-m", "traincore.export", "--checkpoint", str(tmp_path / "nope"),
-                           "--output", str(tmp_path / "m.safetensors")], capture_output=True, text=True, env=env)
+    command = [sys.executable, "-m", "traincore.export", "--checkpoint", str(tmp_path / "nope"),
+               "--output", str(tmp_path / "m.safetensors")]
+    done = subprocess.run(command, capture_output=True, text=True, env=env)
     assert done.returncode == 2
     assert f"error: checkpoint {tmp_path / 'nope'} does not exist" in done.stderr
 

@@ -8,14 +8,16 @@ import numpy as np
 import pytest
 
 from traincore.config import DataConfig
-from traincore.data import SPLITS, Manifest, StagingError, stage
+from traincore.data import SPLITS, Manifest, StagingError
 from traincore.imagefolder import list_images
 from traincore.loader import StagedSplit
+from traincore.stage import stage
 
 
 def folder_config(location, **overrides) -> DataConfig:
     """Stage ``location`` at 8x8 with one decode process unless overridden."""
-    return DataConfig(**{"source": f"imagefolder:{location}", "image_size": 8, "decode_workers": 1, **overrides})
+    defaults = {"source": f"imagefolder:{location}", "image_size": 8, "decode_workers": 1}
+    return DataConfig(**{**defaults, **overrides})
 
 
 def staged_bytes(directory) -> dict[str, bytes]:

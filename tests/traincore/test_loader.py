@@ -80,7 +80,8 @@ def test_two_gloo_ranks_cover_the_epoch_exactly_once(synthetic_dir, tmp_path):
 def test_padded_last_batch_repeats_at_most_world_size_minus_one(train):
     cfg = dataclasses.replace(CFG, drop_last=False)
     lookup = index_of(train)
-    per_rank = [delivered(StagedLoader(train, cfg, rank=r, world_size=3).host_batches(), lookup) for r in range(3)]
+    per_rank = [delivered(StagedLoader(train, cfg, rank=r, world_size=3).host_batches(), lookup)
+                for r in range(3)]
     assert {len(batches) for batches in per_rank} == {4}  # 80 = 3 full global batches of 24 + 8 padded to 9
     assert {len(batches[-1]) for batches in per_rank} == {3}
     counts = collections.Counter(index for batches in per_rank for index in flat(batches))
@@ -101,7 +102,8 @@ def test_rank_batches_blocks_follow_the_global_order():
     blocks = [list(rank_batches(order, 0, 4, rank, 2, drop_last=True)) for rank in range(2)]
     np.testing.assert_array_equal(blocks[0][0], [100, 101, 102, 103])
     np.testing.assert_array_equal(blocks[1][0], [104, 105, 106, 107])
-    np.testing.assert_array_equal(list(rank_batches(order, 32, 4, 1, 2, drop_last=True))[0], [136, 137, 138, 139])
+    first = list(rank_batches(order, 32, 4, 1, 2, drop_last=True))[0]
+    np.testing.assert_array_equal(first, [136, 137, 138, 139])
 
 
 def test_loader_with_workers_is_freed_without_the_cycle_collector(train):
@@ -135,7 +137,7 @@ def test_mid_epoch_state_continues_with_identical_batches(train, workers):
     resumed.load_state_dict(state)
     got = list(resumed.host_batches()) + list(resumed.host_batches())
     assert len(got) == len(expected) - 3
-    for (images, labels), (want_images, want_labels) in zip(got, expected[3:]):
+    for (images, labels), (want_images, want_labels) in zip(got, expected[3:], strict=True):
         assert torch.equal(images, want_images) and torch.equal(labels, want_labels)
 
 
@@ -191,7 +193,8 @@ def test_read_gathers_across_shards_and_checks_bounds(train, synthetic_dir):
     indices = np.array([79, 0, 40, 31, 32])  # shards hold 0-31, 32-63 and 64-79
     images, labels = train.read(indices)
     order = np.sort(indices)
-    shards = [np.fromfile(synthetic_dir / f"train-0000{k}.u8", np.uint8).reshape(-1, 3, 8, 8) for k in range(3)]
+    shards = [np.fromfile(synthetic_dir / f"train-0000{k}.u8", np.uint8).reshape(-1, 3, 8, 8)
+              for k in range(3)]
     whole = np.concatenate(shards)
     np.testing.assert_array_equal(images.numpy(), whole[order])
     np.testing.assert_array_equal(labels.numpy(), train.labels[order])
@@ -238,7 +241,7 @@ def test_cuda_prefetch_matches_cpu(train):
     cuda = list(StagedLoader(train, CFG, seed=4, device="cuda"))
     assert len(cuda) == len(cpu)
     normalize = Normalizer(manifest.mean, manifest.std)
-    for (images, labels), (host_images, host_labels) in zip(cuda, cpu):
+    for (images, labels), (host_images, host_labels) in zip(cuda, cpu, strict=True):
         assert images.is_cuda and labels.is_cuda
         torch.testing.assert_close(images.cpu(), normalize(host_images))
         assert torch.equal(labels.cpu(), host_labels)

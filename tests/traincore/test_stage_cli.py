@@ -21,7 +21,8 @@ def test_stages_and_prints_a_summary(tmp_path):
     result = run_cli("--source", "synthetic", "--samples", "60", "--classes", "3", "--image-size", "8",
                      "--output", str(output))
     assert result.returncode == 0, result.stderr
-    assert result.stdout.startswith("staged synthetic: 3 classes, 3x8x8 uint8, train 48, val 6, test 6 samples")
+    expected = "staged synthetic: 3 classes, 3x8x8 uint8, train 48, val 6, test 6 samples"
+    assert result.stdout.startswith(expected)
     assert f"-> {output} (" in result.stdout
     assert Manifest.load(output).splits["train"].count == 48
 
@@ -36,7 +37,8 @@ def test_bad_source_exits_2_with_error(tmp_path):
 @pytest.mark.parametrize(("args", "message"), [
     (["--source", "digits", "--image-size", "0"], "error: data.image_size=0"),
     (["--source", "synthetic", "--decode-workers", "-1"], "error: data.decode_workers=-1"),
-    (["--source", "imagefolder:/does/not/exist"], "error: imagefolder location '/does/not/exist' does not exist"),
+    (["--source", "imagefolder:/does/not/exist"],
+     "error: imagefolder location '/does/not/exist' does not exist"),
 ])
 def test_bad_input_returns_2(args, message, tmp_path, capsys):
     assert main([*args, "--output", str(tmp_path / "data")]) == 2
@@ -44,7 +46,8 @@ def test_bad_input_returns_2(args, message, tmp_path, capsys):
 
 
 def test_existing_different_staging_needs_overwrite(tmp_path, capsys):
-    common = ["--source", "synthetic", "--samples", "40", "--image-size", "4", "--output", str(tmp_path / "d")]
+    common = ["--source", "synthetic", "--samples", "40", "--image-size", "4",
+              "--output", str(tmp_path / "d")]
     assert main(common) == 0
     assert main([*common, "--seed", "1"]) == 2
     assert "--overwrite" in capsys.readouterr().err

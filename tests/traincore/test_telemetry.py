@@ -17,13 +17,9 @@ from torch import nn
 
 from traincore import metrics
 from traincore.config import TelemetryConfig
-from traincore.telemetry import (
-    Telemetry,
-    memory_metrics,
-    peak_flops,
-    setup_logging,
-    training_flops_per_sample,
-)
+from traincore.dist import DistContext
+from traincore.metrics import memory_metrics, peak_flops, training_flops_per_sample
+from traincore.telemetry import Telemetry, Workload, setup_logging
 
 CPU = torch.device("cpu")
 
@@ -43,8 +39,8 @@ def _isolated(monkeypatch):
 
 def make_telemetry(output: Path, total_steps: int = 5, **overrides) -> Telemetry:
     cfg = TelemetryConfig(**{"log_every": 2, "progress": "off", "tensorboard": False, **overrides})
-    return Telemetry(cfg, output, rank=0, world_size=1, run_config={"model": {"name": "mlp"}},
-                     total_steps=total_steps, global_batch_size=8, flops_per_sample=None, device=CPU)
+    return Telemetry(cfg, output, DistContext(0, 1, device=CPU), Workload(total_steps, 8, None),
+                     {"model": {"name": "mlp"}})
 
 
 def run_steps(telemetry: Telemetry, losses: list[float]) -> list[dict[str, float] | None]:
@@ -110,8 +106,8 @@ def test_plain_log_line_per_interval(tmp_path, caplog):
 def test_wandb_online_without_a_key_fails_before_anything_is_written(tmp_path):
     for rank in (0, 1):
         with pytest.raises(ValueError, match="wandb_mode='online' needs a W&B API key"):
-            Telemetry(TelemetryConfig(wandb_mode="online"), tmp_path / "out", rank=rank, world_size=2,
-                      run_config={}, total_steps=10, global_batch_size=8, flops_per_sample=None, device=CPU)
+            Telemetry(TelemetryConfig(wandb_mode="online"), tmp_path / "out",
+                      DistContext(rank, 2, device=CPU), Workload(10, 8, None), {})
     assert not (tmp_path / "out").exists()
 
 
@@ -120,8 +116,8 @@ def _two_rank_worker(rank: int, tmp: str) -> None:
     dist.init_process_group("gloo", init_method=f"file://{tmp}/rendezvous", rank=rank, world_size=2)
     try:
         cfg = TelemetryConfig(log_every=2, progress="off", tensorboard=True)
-        telemetry = Telemetry(cfg, Path(tmp) / f"rank{rank}", rank=rank, world_size=2, run_config={},
-                              total_steps=4, global_batch_size=16, flops_per_sample=1e6, device=CPU)
+        telemetry = Telemetry(cfg, Path(tmp) / f"rank{rank}", DistContext(rank, 2, device=CPU),
+                              Workload(4, 16, 1e6), {})
         for step in range(1, 5):
             with telemetry.data_wait():
                 pass
@@ -173,8 +169,7 @@ def test_data_wait_share_with_a_slow_iterator(tmp_path):
 def test_mfu_uses_the_peak_override(tmp_path, monkeypatch):
     monkeypatch.setenv(metrics.PEAK_FLOPS_ENV, "2e9")
     cfg = TelemetryConfig(log_every=1, progress="off", tensorboard=False)
-    with Telemetry(cfg, tmp_path, rank=0, world_size=2, run_config={}, total_steps=1, global_batch_size=8,
-                   flops_per_sample=1e6, device=CPU) as telemetry:
+    with Telemetry(cfg, tmp_path, DistContext(0, 2, device=CPU), Workload(1, 8, 1e6), {}) as telemetry:
         result = run_steps(telemetry, [1.0])[0]
     assert result["mfu"] == pytest.approx(1e6 * result["samples_per_s"] / (2e9 * 2))
 
@@ -254,11 +249,11 @@ def test_memory_metrics_on_cpu_report_host_rss_only():
 def test_cuda_interval_reports_allocator_peaks(tmp_path):
     device = torch.device("cuda")
     cfg = TelemetryConfig(log_every=1, progress="off", tensorboard=False)
-    with Telemetry(cfg, tmp_path, rank=0, world_size=1, run_config={}, total_steps=2, global_batch_size=8,
-                   flops_per_sample=1e9, device=device) as telemetry:
+    with Telemetry(cfg, tmp_path, DistContext(0, 1, device=device), Workload(2, 8, 1e9, torch.bfloat16),
+                   {}) as telemetry:
         block = torch.empty(256 * 2**20, dtype=torch.uint8, device=device)
         first = telemetry.step_done(1, torch.tensor(1.0, device=device), lr=0.1)
         del block
         second = telemetry.step_done(2, torch.tensor(1.0, device=device), lr=0.1)
-    assert first["cuda_max_allocated_gib"] >= 0.25 > second["cuda_max_allocated_gib"]  # peaks reset per interval
+    assert first["cuda_max_allocated_gib"] >= 0.25 > second["cuda_max_allocated_gib"]  # reset per interval
     assert first["cuda_max_reserved_gib"] >= first["cuda_max_allocated_gib"] and first["cuda_ooms"] == 0

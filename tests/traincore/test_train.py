@@ -16,8 +16,8 @@ import torch
 
 from traincore.checkpoint_files import complete_steps
 from traincore.config import DataConfig
-from traincore.data import stage
 from traincore.export import export
+from traincore.stage import stage
 
 TINY = {"model": {"name": "small_cnn", "width": 8}, "optim": {"lr": 3e-3, "warmup_steps": 2},
         "loader": {"batch_size": 8}, "telemetry": {"log_every": 2}}
@@ -33,8 +33,8 @@ def data_dir(tmp_path_factory) -> Path:
 
 def train_cmd(data: Path, output: Path, nproc: int, *extra: str, config: dict | None = None) -> list[str]:
     launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}"]
-    return [*launcher, "-m", "traincore.train", "--data", str(data), "--output", str(output), "--preset", "debug",
-            "--config", json.dumps(config or TINY), *extra]
+    return [*launcher, "-m", "traincore.train", "--data", str(data), "--output", str(output),
+            "--preset", "debug", "--config", json.dumps(config or TINY), *extra]
 
 
 def run_train(*args, **kwargs) -> subprocess.CompletedProcess:
@@ -45,7 +45,7 @@ def run_train(*args, **kwargs) -> subprocess.CompletedProcess:
 
 
 def kill_tree(pid: int) -> None:
-    """SIGKILL a process and every descendant, as a node failure would (elastic workers get their own sessions)."""
+    """SIGKILL a process tree, as a node failure would (elastic workers get their own sessions)."""
     children: dict[int, list[int]] = {}
     for stat in Path("/proc").glob("[0-9]*/stat"):
         try:
@@ -138,6 +138,7 @@ def test_bad_config_is_rejected_before_any_process_group(data_dir, tmp_path, fla
 
 
 def test_missing_data_directory_is_a_clear_error(tmp_path):
-    cmd = [sys.executable, "-m", "traincore.train", "--data", str(tmp_path / "absent"), "--output", str(tmp_path)]
+    cmd = [sys.executable, "-m", "traincore.train", "--data", str(tmp_path / "absent"),
+           "--output", str(tmp_path)]
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=60)
     assert done.returncode == 2 and "is not a staged dataset" in done.stderr

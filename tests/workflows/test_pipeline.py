@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 import tasks.stage
-from traincore.evaluate import evaluate as evaluate_split
+from traincore.evaluate import evaluate
 from workflows.pipeline import training_pipeline
 
 # 10 learnable synthetic classes at 16x16; 60 steps of the debug model on 2 processes take a few seconds.
@@ -33,13 +33,14 @@ def first_run(tmp_path_factory):
 def test_pipeline_trains_exports_and_reports_a_real_accuracy(first_run):
     model, report, checkpoints = first_run
     weights = Path(model.directory.path) / model.weights_file
-    assert hashlib.sha256(weights.read_bytes()).hexdigest() == model.sha256 == report.model_sha256
-    assert model.step == 60 and (checkpoints / "step-000060").is_dir()
+    assert hashlib.sha256(weights.read_bytes()).hexdigest() == model.export.sha256 == report.model_sha256
+    assert model.export.step == 60 and (checkpoints / "step-000060").is_dir()
+    report = report.result
     assert report.count == sum(map(sum, report.confusion)) == 60  # 10% of 600 samples
     assert report.accuracy == pytest.approx(sum(report.confusion[k][k] for k in range(10)) / report.count)
     assert report.accuracy > 0.3  # chance is 0.1
     assert len(report.precision) == len(report.recall) == len(report.classes) == 10
-    return_trip = evaluate_split(weights, first_staged_directory(), "test")
+    return_trip = evaluate(weights, first_staged_directory(), "test")
     assert return_trip.accuracy == report.accuracy and return_trip.confusion == report.confusion
 
 
@@ -48,14 +49,15 @@ def first_staged_directory() -> str:
     from tasks.plan import build_config
     from tasks.stage import stage_dataset
 
-    data = build_config(SMALL["preset"], SMALL["config_overrides"], SMALL["source"], 0, SMALL["max_steps"]).data
+    data = build_config(SMALL["preset"], SMALL["config_overrides"], SMALL["source"], 0,
+                        SMALL["max_steps"]).data
     return stage_dataset(data=data).directory.path
 
 
 def test_rerun_hits_the_staging_cache(first_run, monkeypatch, tmp_path):
     forbid_staging(monkeypatch)
     model, report = training_pipeline(**SMALL | dict(max_steps=10), checkpoint_uri=str(tmp_path / "again"))
-    assert model.step == 10 and report.count == first_run[1].count
+    assert model.export.step == 10 and report.result.count == first_run[1].result.count
 
 
 @pytest.mark.parametrize("bad, named", [

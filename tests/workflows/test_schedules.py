@@ -11,7 +11,8 @@ def test_launch_plan_carries_its_cron_schedule_and_fixed_inputs():
     assert scheduled_retraining.name == "scheduled_retraining"
     assert isinstance(scheduled_retraining.schedule, CronSchedule)
     assert scheduled_retraining.schedule.cron_schedule.schedule == "0 3 * * 1"
-    fixed = {name: literal.scalar.primitive for name, literal in scheduled_retraining.fixed_inputs.literals.items()}
+    fixed = {name: literal.scalar.primitive
+             for name, literal in scheduled_retraining.fixed_inputs.literals.items()}
     assert fixed["threshold"].float_value == 0.95 and fixed["source"].string_value == "digits"
     assert "baseline_accuracy" in scheduled_retraining.parameters.parameters  # operators may raise it
     assert "threshold" not in scheduled_retraining.parameters.parameters

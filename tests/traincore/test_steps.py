@@ -1,4 +1,4 @@
-"""Pieces of the training loop, in one process."""
+"""One training step and the schedule, in one process."""
 
 from __future__ import annotations
 
@@ -8,9 +8,9 @@ import pytest
 import torch
 from torch import nn
 
-from traincore.checkpoint import TrainState
-from traincore.config import Config, OptimConfig, TrainConfig, debug
-from traincore.loop import NonFiniteLossError, total_steps, train_step, warmup_cosine
+from traincore.config import Config, OptimConfig, TrainConfig
+from traincore.presets import debug
+from traincore.steps import NonFiniteLossError, total_steps, train_step, warmup_cosine
 
 
 def test_warmup_then_cosine_to_the_floor():
@@ -37,28 +37,28 @@ class _Poisoned(nn.Module):
         return self.linear(x) * float("nan")
 
 
-def _state(model: nn.Module) -> TrainState:
+def _parts(model: nn.Module) -> tuple:
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda _: 1.0)
-    return TrainState(model=model, optimizer=optimizer, scheduler=scheduler, loader=None)
+    return model, optimizer, torch.optim.lr_scheduler.LambdaLR(optimizer, lambda _: 1.0)
 
 
 def test_non_finite_loss_stops_before_the_optimizer_step():
-    state = _state(_Poisoned())
-    before = {k: v.clone() for k, v in state.model.state_dict().items()}
+    model, optimizer, scheduler = _parts(_Poisoned())
+    before = {k: v.clone() for k, v in model.state_dict().items()}
     batch = (torch.randn(5, 4), torch.tensor([0, 1, 2, 0, 1]))
     with pytest.raises(NonFiniteLossError, match="step 1.*lower optim.lr"):
-        train_step(state, batch, debug(), torch.device("cpu"))
-    for name, value in state.model.state_dict().items():
+        train_step(model, optimizer, scheduler, batch, debug())
+    for name, value in model.state_dict().items():
         assert torch.equal(value, before[name]), name
 
 
 def test_train_step_updates_weights_and_lr():
     model = nn.Sequential(nn.Flatten(), nn.Linear(4, 3))
-    state = _state(model)
+    model, optimizer, scheduler = _parts(model)
     before = model[1].weight.clone()
-    loss = train_step(state, (torch.randn(5, 4), torch.tensor([0, 1, 2, 0, 1])), debug(), torch.device("cpu"))
+    loss = train_step(model, optimizer, scheduler, (torch.randn(5, 4), torch.tensor([0, 1, 2, 0, 1])),
+                      debug())
     assert loss.ndim == 0 and not loss.requires_grad
     assert not torch.equal(before, model[1].weight)
-    assert state.scheduler.last_epoch == 1
+    assert scheduler.last_epoch == 1
     assert all(p.grad is None for p in model.parameters())

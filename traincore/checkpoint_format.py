@@ -1,0 +1,156 @@
+"""What a step directory holds, version by version, read into one shape: the registry's state.
+
+Version 3 (written): the state registry's shared members and every rank's per-rank members.
+    sync         ``state.pt``  = {"step", "shared", "per_rank"} (torch.save, rank 0)
+    dcp / async  DCP files     = the shared state's tensors that sit in nested dicts (DCP names them by path,
+                                 joined with "."), written by every rank for its part
+                 ``extra.pt``  = {"step", "shared" without those tensors, "per_rank"}
+Version 2 (read): ``model`` / ``optim`` tensors plus an ``extra`` dict of step, meta, loader, scheduler,
+param groups and per-rank RNG; :func:`_from_v2` maps it onto version 3's member names.
+
+Only tensors go through DCP, so reading never unpickles anything outside ``torch.load(weights_only=True)``.
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed.checkpoint as dcp
+
+from traincore.checkpoint_files import EXTRA_FILE, STATE_FILE, load_file, read_marker
+
+# Where version 2 kept the tensors that version 3 keeps under these member paths.
+_V2_TENSORS = {"model": ("model",), "optim": ("optimizer", "state")}
+
+
+def split_tensors(tree: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
+    """(tensors, rest): tensors found through nested dicts, and the tree without them."""
+    tensors: dict[str, Any] = {}
+    rest: dict[str, Any] = {}
+    for key, value in tree.items():
+        if isinstance(value, torch.Tensor):
+            tensors[key] = value
+        elif isinstance(value, dict):
+            inner, rest[key] = split_tensors(value)
+            if inner:
+                tensors[key] = inner
+        else:
+            rest[key] = value
+    return tensors, rest
+
+
+def merge(rest: dict[str, Any], tensors: dict[str, Any]) -> dict[str, Any]:
+    """The inverse of :func:`split_tensors`."""
+    merged = dict(rest)
+    for key, value in tensors.items():
+        merged[key] = merge(merged.get(key, {}), value) if isinstance(value, dict) else value
+    return merged
+
+
+def flat_shapes(tensors: dict[str, Any], prefix: str = "") -> dict[str, list[int]]:
+    """Shapes of a nested tensor dict under DCP's flattened names (``model.net.1.weight``)."""
+    shapes: dict[str, list[int]] = {}
+    for key, value in tensors.items():
+        name = f"{prefix}{key}"
+        if isinstance(value, dict):
+            shapes.update(flat_shapes(value, f"{name}."))
+        else:
+            shapes[name] = list(value.shape)
+    return shapes
+
+
+@dataclass
+class SavedState:
+    """A step directory's content in version-3 terms; DCP tensors arrive with :func:`load_tensors`."""
+
+    step: int
+    shared: dict[str, Any]
+    per_rank: list[dict[str, Any]]
+    shapes: dict[str, list[int]]  # every saved tensor of the shared state, by flattened name
+
+
+def open_saved(directory: Path, marker: dict) -> SavedState:
+    """Read everything but the DCP tensors (a sync checkpoint is read whole, memory-mapped)."""
+    if marker["format"] == "torch_save":
+        saved = load_file(directory / STATE_FILE)
+        if marker["format_version"] == 2:
+            saved = _from_v2(saved["extra"], saved["model"], saved["optim"])
+        shapes = flat_shapes(split_tensors(saved["shared"])[0])
+        return SavedState(saved["step"], saved["shared"], saved["per_rank"], shapes)
+    extra = load_file(directory / EXTRA_FILE)
+    shapes = {key: list(md.size) for key, md in _dcp_metadata(directory).items()}
+    if marker["format_version"] == 2:
+        extra = _from_v2(extra, {}, {})
+        shapes = {_v3_name(key): shape for key, shape in shapes.items()}
+    return SavedState(extra["step"], extra["shared"], extra["per_rank"], shapes)
+
+
+def load_tensors(saved: SavedState, directory: Path, marker: dict, template: dict[str, Any],
+                 process_group: Any = None) -> None:
+    """Fill ``template`` (the run's own tensors, resharded by DCP) and merge it into ``saved.shared``."""
+    if marker["format"] == "torch_save":
+        return
+    if marker["format_version"] == 2:
+        v2 = {old: _get_path(template, path) for old, path in _V2_TENSORS.items()}
+        with single_process_quiet(process_group is None):
+            dcp.load(v2, checkpoint_id=directory, process_group=process_group, no_dist=process_group is None)
+    else:
+        with single_process_quiet(process_group is None):
+            dcp.load(template, checkpoint_id=directory, process_group=process_group,
+                     no_dist=process_group is None)
+    saved.shared = merge(saved.shared, template)
+
+
+def read_checkpoint(directory: str | Path) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+    """Model weights and ``{"step", "meta"}`` of one step directory, in this process alone (export)."""
+    directory = Path(directory)
+    marker = read_marker(directory)
+    saved = open_saved(directory, marker)
+    if marker["format"] == "dcp":
+        template = {"model": {key.removeprefix("model."): torch.empty(shape, dtype=dtype)
+                              for key, (shape, dtype) in _dcp_model_entries(directory).items()}}
+        load_tensors(saved, directory, marker, template)
+    return saved.shared["model"], {"step": saved.step, "meta": saved.shared.get("run", {})}
+
+
+@contextmanager
+def single_process_quiet(no_dist: bool) -> Iterator[None]:
+    """Silence DCP's warning that a deliberate single-process call runs without a process group."""
+    with warnings.catch_warnings():
+        if no_dist:
+            warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninit")
+        yield
+
+
+def _dcp_metadata(directory: Path) -> dict:
+    return dcp.FileSystemReader(directory).read_metadata().state_dict_metadata
+
+
+def _dcp_model_entries(directory: Path) -> dict[str, tuple[list[int], torch.dtype]]:
+    return {key: (list(md.size), md.properties.dtype) for key, md in _dcp_metadata(directory).items()
+            if key.startswith("model.")}
+
+
+def _get_path(tree: dict[str, Any], path: tuple[str, ...]) -> Any:
+    for key in path:
+        tree = tree.get(key, {})
+    return tree
+
+
+def _v3_name(v2_name: str) -> str:
+    head, _, tail = v2_name.partition(".")
+    return ".".join((*_V2_TENSORS.get(head, (head,)), tail))
+
+
+def _from_v2(extra: dict[str, Any], model: dict[str, Any], optim: dict[str, Any]) -> dict[str, Any]:
+    """A version-2 checkpoint's content under version 3's member names."""
+    shared = {"run": extra["meta"], "progress": {"step": extra["step"]}, "model": model,
+              "optimizer": {"state": optim, "param_groups": extra["param_groups"]},
+              "scheduler": extra["scheduler"], "loader": extra["loader"]}
+    return {"step": extra["step"], "shared": shared, "per_rank": [{"rng": rng} for rng in extra["rng"]]}

@@ -1,0 +1,186 @@
+"""The run's state registry and the Stateful views of its parts.
+
+Everything with state registers here under a name; the checkpointer saves and restores the registry without
+knowing its members (as TorchTitan's checkpointer does with its dict of Stateful objects), so adding a
+component never edits the checkpointer. A member is either shared (the same on every rank: model, optimizer,
+schedule, loader position, telemetry totals) or per-rank (RNG streams), which rank 0 gathers.
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+import numpy as np
+import torch
+from torch import nn
+from torch.distributed.checkpoint.state_dict import (
+    get_model_state_dict,
+    get_optimizer_state_dict,
+    set_model_state_dict,
+    set_optimizer_state_dict,
+)
+from torch.nn.parallel import DistributedDataParallel
+
+log = logging.getLogger(__name__)
+
+
+class Stateful(Protocol):
+    """Anything that can be checkpointed: a state_dict of plain values and tensors, and its inverse."""
+
+    def state_dict(self) -> dict[str, Any]: ...
+
+    def load_state_dict(self, state: dict[str, Any]) -> None: ...
+
+
+class StateMismatchError(ValueError):
+    """A saved state does not fit this run; the message names what differs and the fix."""
+
+
+def unwrap_model(model: nn.Module) -> nn.Module:
+    """The module that DistributedDataParallel / torch.compile wrap: its parameter names are canonical."""
+    while True:
+        if isinstance(model, DistributedDataParallel):
+            model = model.module
+        elif isinstance(getattr(model, "_orig_mod", None), nn.Module):
+            model = model._orig_mod
+        else:
+            return model
+
+
+class ModelState:
+    """The model's weights under canonical names, whatever wraps it (DDP, torch.compile)."""
+
+    def __init__(self, model: nn.Module):
+        self.model = model
+
+    def state_dict(self) -> dict[str, Any]:
+        return get_model_state_dict(unwrap_model(self.model))
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        set_model_state_dict(unwrap_model(self.model), state)
+
+
+class OptimizerState:
+    """The optimizer's state keyed by parameter names (reshardable), not by position."""
+
+    def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer):
+        self.model, self.optimizer = model, optimizer
+
+    def state_dict(self) -> dict[str, Any]:
+        return get_optimizer_state_dict(unwrap_model(self.model), self.optimizer)
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        set_optimizer_state_dict(unwrap_model(self.model), self.optimizer, state)
+
+
+class RNGState:
+    """Python, NumPy, torch CPU and CUDA generator states of this process (a per-rank member)."""
+
+    def state_dict(self) -> dict[str, Any]:
+        kind, keys, *rest = np.random.get_state()
+        on_cuda = torch.cuda.is_available() and torch.cuda.is_initialized()
+        return {"python": random.getstate(), "numpy": [kind, keys.tolist(), *rest],
+                "torch": torch.get_rng_state(), "cuda": torch.cuda.get_rng_state_all() if on_cuda else []}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        random.setstate(state["python"])
+        kind, keys, *rest = state["numpy"]
+        np.random.set_state((kind, np.asarray(keys, dtype=np.uint32), *rest))
+        torch.set_rng_state(state["torch"])
+        if state["cuda"] and torch.cuda.is_available() and len(state["cuda"]) == torch.cuda.device_count():
+            torch.cuda.set_rng_state_all(state["cuda"])
+
+
+@dataclass
+class Progress:
+    """How far the run is: the number of optimizer steps taken."""
+
+    step: int = 0
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"step": self.step}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.step = int(state["step"])
+
+
+@dataclass
+class RunMeta:
+    """What the run trains on and with (config, classes, sample shape, normalisation): export rebuilds the
+    model from it, and a resume refuses a checkpoint of other data."""
+
+    meta: dict[str, Any] = field(default_factory=dict)
+
+    def state_dict(self) -> dict[str, Any]:
+        return dict(self.meta)
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        for key in ("shape", "classes"):
+            saved, current = state.get(key), self.meta.get(key)
+            if saved is not None and current is not None and list(saved) != list(current):
+                raise StateMismatchError(
+                    f"the checkpoint was trained on data with {key} {list(saved)}, this run's data has "
+                    f"{list(current)}: stage the data as the checkpoint's run did, or train into a fresh "
+                    "checkpoint root")
+
+    def describe(self, state: dict[str, Any]) -> str:
+        """One phrase saying what a saved state was written for, for error messages."""
+        written_for = state.get("config", {}).get("model", "an unrecorded model config")
+        return f"The checkpoint was written for model config {written_for}"
+
+
+class StateRegistry:
+    """Named Stateful members of one run, saved and restored as a whole."""
+
+    def __init__(self) -> None:
+        self.shared: dict[str, Stateful] = {}
+        self.per_rank: dict[str, Stateful] = {}
+
+    def register(self, name: str, member: Stateful, per_rank: bool = False) -> None:
+        """Add ``member`` under ``name``; names are unique across shared and per-rank members."""
+        assert name not in self.shared and name not in self.per_rank, f"state {name!r} registered twice"
+        (self.per_rank if per_rank else self.shared)[name] = member
+
+    def shared_state(self) -> dict[str, Any]:
+        """The shared members' states, in registration order."""
+        return {name: member.state_dict() for name, member in self.shared.items()}
+
+    def rank_state(self) -> dict[str, Any]:
+        """This rank's per-rank members' states."""
+        return {name: member.state_dict() for name, member in self.per_rank.items()}
+
+    def load(self, shared: dict[str, Any], rank: dict[str, Any] | None) -> None:
+        """Restore every member; ``rank`` is None when saved per-rank states cannot be matched to ranks.
+
+        A member the checkpoint lacks (written before the member existed) keeps its current state.
+        """
+        for members, states in ((self.shared, shared), (self.per_rank, rank)):
+            for name, member in members.items():
+                if states is None or name not in states:
+                    log.info("the checkpoint holds no %s state; keeping the current one", name)
+                    continue
+                member.load_state_dict(states[name])
+
+    def describe(self, shared: dict[str, Any]) -> str:
+        """What members that can describe a saved state say about it (for mismatch messages)."""
+        parts = [member.describe(shared[name]) for name, member in self.shared.items()
+                 if hasattr(member, "describe") and name in shared]
+        return "; ".join(parts)
+
+
+def training_registry(model: nn.Module, optimizer: torch.optim.Optimizer, scheduler: Stateful,
+                      loader: Stateful, progress: Progress, meta: dict[str, Any]) -> StateRegistry:
+    """The registry of a training run's core parts, under the names every checkpoint uses.
+
+    The Trainer adds its telemetry; anything else with state is one more ``register`` call.
+    """
+    registry = StateRegistry()
+    members = {"run": RunMeta(meta), "progress": progress, "model": ModelState(model),
+               "optimizer": OptimizerState(model, optimizer), "scheduler": scheduler, "loader": loader}
+    for name, member in members.items():
+        registry.register(name, member)
+    registry.register("rng", RNGState(), per_rank=True)
+    return registry

@@ -1,0 +1,94 @@
+"""What one training step and one validation pass do, and the schedule they follow.
+
+Plain functions over the model, optimizer and schedule: the :class:`~traincore.train.Trainer` calls them, and
+tests call them on their own.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+from collections.abc import Iterator
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from traincore.config import Config
+from traincore.dist import DistContext, all_reduce_sum
+from traincore.loader import Batch, Normalizer, StagedLoader, StagedSplit, eval_batches
+
+
+class NonFiniteLossError(RuntimeError):
+    """The loss or the gradients became NaN/inf; training stops before the optimizer step."""
+
+
+def total_steps(cfg: Config, steps_per_epoch: int) -> int:
+    """``train.max_steps`` when set, else ``train.epochs`` full epochs."""
+    return cfg.train.max_steps or cfg.train.epochs * steps_per_epoch
+
+
+def warmup_cosine(cfg: Config, steps: int):
+    """LR multiplier: linear warmup, then cosine decay to ``min_lr_ratio`` at the last step."""
+    warmup, floor = cfg.optim.warmup_steps, cfg.optim.min_lr_ratio
+
+    def factor(step: int) -> float:
+        if step < warmup:
+            return (step + 1) / warmup
+        progress = min(1.0, (step - warmup) / max(1, steps - warmup))
+        return floor + (1 - floor) * 0.5 * (1 + math.cos(math.pi * progress))
+
+    return factor
+
+
+def seed_everything(seed: int) -> None:
+    """Seed Python, NumPy and torch."""
+    random.seed(seed)
+    np.random.seed(seed % 2**32)
+    torch.manual_seed(seed)
+
+
+def train_step(model: nn.Module, optimizer: torch.optim.Optimizer, scheduler, batch: Batch,
+               cfg: Config) -> torch.Tensor:
+    """Forward, backward, finite check, clip, optimizer and LR step. Returns the detached loss."""
+    images, labels = batch
+    device = images.device
+    with torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda" and cfg.train.bf16):
+        logits = model(images)
+        loss = F.cross_entropy(logits.float(), labels)
+    del logits  # frees the activations' last reference before backward allocates gradients
+    loss.backward()
+    # The gradient norm is global after DDP's all-reduce, so every rank takes the same decision here.
+    grad_norm = nn.utils.clip_grad_norm_(model.parameters(), cfg.optim.grad_clip or float("inf"))
+    if not torch.isfinite(grad_norm):
+        raise NonFiniteLossError(f"non-finite loss or gradients at step {scheduler.last_epoch + 1} (loss "
+                                 f"{loss.item():.4g}, gradient norm {grad_norm.item():.4g}): lower optim.lr "
+                                 "or set optim.grad_clip")
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    scheduler.step()
+    return loss.detach()
+
+
+@torch.no_grad()
+def validate(model: nn.Module, split: StagedSplit, batch_size: int, ctx: DistContext) -> dict[str, float]:
+    """Loss and accuracy over the whole split, each rank taking a share, summed across ranks."""
+    normalize = Normalizer(split.manifest.mean, split.manifest.std, ctx.device)
+    was_training = model.training
+    model.eval()
+    loss_sum = correct = 0.0
+    for images, labels in eval_batches(split, batch_size, rank=ctx.rank, world_size=ctx.world_size):
+        labels = labels.to(ctx.device)
+        logits = model(normalize(images.to(ctx.device))).float()
+        loss_sum += F.cross_entropy(logits, labels, reduction="sum").item()
+        correct += (logits.argmax(1) == labels).sum().item()
+    model.train(was_training)
+    loss_sum, correct = all_reduce_sum([loss_sum, correct], ctx.device)
+    return {"loss": loss_sum / len(split), "accuracy": correct / len(split)}
+
+
+def endless(loader: StagedLoader) -> Iterator[Batch]:
+    """Batches across epoch boundaries; the loader advances its own epoch."""
+    while True:
+        yield from loader
