@@ -9,6 +9,8 @@ from __future__ import annotations
 
 from typing import Any, NamedTuple
 
+import fsspec
+import torch
 from flytekit import task
 from flytekit.core.context_manager import FlyteContextManager
 
@@ -17,6 +19,7 @@ from tasks.storage import is_uri, local_path
 from tasks.types import Topology
 from traincore.config import Config, ConfigError, DataConfig, parse_source
 from traincore.presets import preset
+from traincore.train import OutputError, check_model_input, ensure_writable_dir
 
 
 class LaunchInputError(ValueError):
@@ -49,10 +52,28 @@ def _override(cfg: Config, overrides: dict[str, Any] | str, input_name: str) -> 
         raise LaunchInputError(f"input {input_name}: {exc}") from exc
 
 
+def check_protocol(location: str, input_name: str) -> None:
+    """A URI's scheme must name a filesystem fsspec knows and can load; nothing is contacted."""
+    protocol = location.split("://", 1)[0]
+    try:
+        fsspec.get_filesystem_class(protocol)
+    except ValueError as exc:
+        raise LaunchInputError(f"input {input_name}: {location!r} has the unknown scheme {protocol}://: use "
+                               "a local path or an object-store URI such as s3://bucket/path or "
+                               "gs://bucket/path") from exc
+    except ImportError as exc:
+        raise LaunchInputError(f"input {input_name}: {location!r} needs a filesystem package that is not "
+                               f"installed ({exc}): install it in the image, or use s3:// or gs://") from exc
+
+
 def check_source(source: str) -> None:
-    """A local imagefolder path must exist; URIs are checked by the staging task that can reach them."""
+    """A local imagefolder path must exist; of a URI, only the scheme is checked here (no network): the
+    staging task, which can reach it, checks the rest."""
     kind, location = parse_source(source)
-    if kind != "imagefolder" or is_uri(location):
+    if kind != "imagefolder":
+        return
+    if is_uri(location):
+        check_protocol(location, f"source={source!r}")
         return
     path = local_path(location)
     if not path.is_dir():
@@ -105,6 +126,48 @@ def check_checkpoint_root(cfg: Config, topology: Topology, checkpoint_uri: str) 
             "retries resume instead) or give checkpoint_uri on a filesystem every node mounts")
 
 
+def check_model(cfg: Config) -> None:
+    """The model must take the images staging will produce (data.channels x data.image_size squared) in
+    batches of loader.batch_size: vit_b_16 on 12 px data fails here, not after staging."""
+    data = cfg.data
+    shape = (data.channels, data.image_size, data.image_size)
+    try:
+        check_model_input(cfg.model, 2, shape, f"data.image_size={data.image_size}, data.channels="
+                          f"{data.channels}", cfg.loader.batch_size)
+    except ValueError as exc:
+        raise LaunchInputError(f"input config_overrides (or preset): {exc}") from exc
+
+
+def check_backend(cfg: Config, topology: Topology, local_run: bool) -> None:
+    """An NCCL process group needs GPUs: CUDA on this machine for a local run, gpus_per_node on a cluster."""
+    if "nccl" not in cfg.dist.backend:
+        return
+    has_gpus = torch.cuda.is_available() if local_run else topology.gpus_per_node > 0
+    if not has_gpus:
+        where, other = (("this machine has no CUDA device", "run on a machine with one") if local_run else
+                        ("gpus_per_node=0 gives the pods no GPU", "request GPUs with gpus_per_node"))
+        raise LaunchInputError(f"input config_overrides: dist.backend={cfg.dist.backend!r} needs GPUs, but "
+                               f"{where}: set '{{\"dist\": {{\"backend\": \"auto\"}}}}' in config_overrides, "
+                               f"or {other}")
+
+
+def check_checkpoint_uri(checkpoint_uri: str, local_run: bool) -> None:
+    """An object-store URI must have a known scheme; a local path (in a local run: a cluster's plan pod need
+    not mount the train pods' filesystem) must be a directory this process can write, created if missing,
+    so that a read-only or mistyped root fails now rather than at the first save after training."""
+    if not checkpoint_uri:
+        return
+    if is_uri(checkpoint_uri):
+        check_protocol(checkpoint_uri, f"checkpoint_uri={checkpoint_uri!r}")
+        return
+    if not local_run:
+        return
+    try:
+        ensure_writable_dir(local_path(checkpoint_uri), "checkpoint directory", "checkpoint_uri")
+    except OutputError as exc:
+        raise LaunchInputError(f"input checkpoint_uri={checkpoint_uri!r}: {exc}") from exc
+
+
 class RunPlan(NamedTuple):
     config: Config
     data: DataConfig
@@ -124,6 +187,9 @@ def plan_run(source: str, preset: str, config_overrides: str, epochs: int, max_s
     local_run = FlyteContextManager.current_context().execution_state.is_local_execution()
     check_topology(topology, local_run)
     check_checkpoint_root(cfg, topology, checkpoint_uri)
+    check_backend(cfg, topology, local_run)
+    check_model(cfg)
+    check_checkpoint_uri(checkpoint_uri, local_run)  # last: it may create the directory
     length = f"{cfg.train.max_steps} steps" if cfg.train.max_steps else f"{cfg.train.epochs} epochs"
     print(f"plan: preset {preset}, source {cfg.data.source}, model {cfg.model.name}, {length}; "
           f"{nnodes} node(s) x {nproc_per_node} process(es) on {backend}", flush=True)

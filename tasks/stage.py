@@ -38,10 +38,14 @@ def staging_directory(data: DataConfig) -> Path:
 
 @task(cache=True, cache_version=STAGING_CACHE_VERSION, retries=2, requests=Resources(cpu="2", mem="4Gi"))
 def stage_dataset(data: DataConfig) -> StagedDataset:
-    """Decode, resize and shard ``data.source`` into manifest.json + uint8 shards (cached per DataConfig)."""
+    """Decode, resize and shard ``data.source`` into manifest.json + uint8 shards (cached per DataConfig).
+
+    A staging already in the directory is verified before it is reused; a damaged one (a shard failing its
+    check, an unreadable manifest) is staged again and swapped into place, with a warning naming the file.
+    """
     output = staging_directory(data)
     start = time.perf_counter()
-    manifest = stage(data, output)
+    manifest = stage(data, output, replace_unusable=True)  # the directory is this task's own
     mib, seconds = directory_bytes(output) / 2**20, time.perf_counter() - start
     print(f"stage_dataset: {summary(manifest)} ({mib:.1f} MiB in {seconds:.1f} s)", flush=True)
     return StagedDataset.from_manifest(output, manifest)

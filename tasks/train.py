@@ -12,6 +12,7 @@ from __future__ import annotations
 import functools
 import json
 import os
+import signal
 from dataclasses import asdict
 from pathlib import Path
 
@@ -19,11 +20,12 @@ import flytekit
 import torch.distributed as dist
 from flytekit import Resources, Secret
 from flytekit.core.base_task import TaskMetadata, TaskResolverMixin
-from flytekit.exceptions.user import FlyteRecoverableException
+from flytekit.exceptions.user import FlyteRecoverableException, FlyteUserRuntimeException
 from flytekit.extras.accelerators import GPUAccelerator
 from flytekit.types.directory import FlyteDirectory
 from flytekitplugins.kfpytorch import CleanPodPolicy, Elastic, RunPolicy
 from flytekitplugins.kfpytorch.task import PytorchElasticFunctionTask
+from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 from torch.distributed.elastic.rendezvous.api import RendezvousError
 
 from tasks.backends import ELASTIC_BACKENDS
@@ -36,6 +38,12 @@ from traincore.train import Trainer, format_summary, preflight
 WANDB_SECRET = Secret(group="wandb", key="api_key", mount_requirement=Secret.MountType.FILE)
 CPU_PER_PROCESS, MEM_GIB_PER_PROCESS = 2, 6
 TRAIN_RETRIES = 3  # recoverable faults only (rendezvous timeouts, lost peers); user errors fail at once
+# Signals that end a worker from outside, so the worker leaves no error file: the OOM killer or a lost node
+# (SIGKILL), eviction or preemption (SIGTERM, SIGINT, SIGHUP), a write to a vanished peer (SIGPIPE), NCCL's
+# watchdog aborting a collective that a lost peer never joined (SIGABRT). A worker's own crash (SIGSEGV,
+# SIGBUS, SIGILL, SIGFPE) is not among them: it stays a user error.
+VANISHED_SIGNALS = frozenset({signal.SIGKILL, signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGPIPE,
+                              signal.SIGABRT})
 
 
 def train_model(config: Config, dataset: StagedDataset, checkpoint_root: str) -> TrainResult:
@@ -52,6 +60,21 @@ def train_model(config: Config, dataset: StagedDataset, checkpoint_root: str) ->
     checkpoints = checkpoint_root if is_uri(checkpoint_root) else summary.checkpoint_dir
     return TrainResult(checkpoints=FlyteDirectory(checkpoints), logs=FlyteDirectory(summary.output_dir),
                        summary=summary)
+
+
+def vanished_workers(error: ChildFailedError) -> list[str]:
+    """The failed workers that a signal from outside ended before they could report an error.
+
+    flytekitplugins-kfpytorch 1.16 calls a worker's failure recoverable only when the worker itself raised
+    FlyteRecoverableException (it leaves a marker file next to its torch-elastic error file); a worker killed
+    by a signal writes neither file, so a vanished peer would fail the task as a user error, without retries.
+    """
+    vanished = []
+    for rank, failure in sorted(error.failures.items()):
+        if failure.exitcode < 0 and -failure.exitcode in VANISHED_SIGNALS and not os.path.isfile(
+                failure.error_file):
+            vanished.append(f"rank {rank} ({failure.signal_name()}, pid {failure.pid})")
+    return vanished
 
 
 def _use_wandb_secret(config: Config) -> None:
@@ -105,6 +128,13 @@ class ElasticTrainTask(PytorchElasticFunctionTask):
                 return super().execute(**kwargs)
             except RendezvousError as exc:  # not every node came up in time: a retry may find them
                 raise FlyteRecoverableException(f"rendezvous failed: {exc}") from exc
+            except FlyteUserRuntimeException as exc:  # the plugin's verdict on a failed worker group
+                vanished = vanished_workers(exc.value) if isinstance(exc.value, ChildFailedError) else []
+                if vanished:  # infrastructure, not the user's code: Flyte's retries apply
+                    raise FlyteRecoverableException(
+                        f"worker {', '.join(vanished)} was killed by a signal from outside (node lost, OOM "
+                        f"killer, eviction); a retry resumes from the checkpoint root:\n{exc}") from exc
+                raise
 
 
 class ElasticTaskResolver(TaskResolverMixin):

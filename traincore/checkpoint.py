@@ -8,9 +8,13 @@ files hold is :mod:`traincore.checkpoint_format`. Every rank checksums the files
 them; rank 0 gathers the checksums and writes the marker last, once every rank's writes are done.
 
 Resume takes the latest complete checkpoint. If ``verify_on_load`` finds one of its files corrupt (checksum
-mismatch or truncated), a warning names the file and loading FALLS BACK to the previous complete
-checkpoint, so one bad write costs ``every`` steps rather than the run. A corrupt step that was asked for
-by number is an error.
+mismatch or truncated, or a damaged commit marker), a warning names the file and loading FALLS BACK to the
+previous complete checkpoint, so one bad write costs ``every`` steps rather than the run. A corrupt step
+that was asked for by number is an error, and so is a commit.json of another program or format (refused,
+never skipped) and a file that passes verification but cannot be read; each message names the file.
+
+A save that fails (a full disk: "no space left on device while writing <path>") raises CheckpointWriteError,
+a CheckpointError and an OSError; rank 0 deletes the torn directory, and the committed ones stay as they are.
 
 ``async`` copies the state into staging buffers (pinned memory on CUDA), returns, and writes from a
 background thread over a gloo process group of its own. At most one save is in flight: the next ``save``,
@@ -56,11 +60,19 @@ from traincore.checkpoint_format import (
     single_process_quiet,
     split_tensors,
 )
-from traincore.checkpoint_writer import ChecksumFileSystemWriter, save_file
+from traincore.checkpoint_writer import ChecksumFileSystemWriter, failing_save, save_file
 from traincore.config import CheckpointConfig
 from traincore.state import StateMismatchError, StateRegistry
 
 DCP_WRITER_THREADS = 2  # two files per rank, written and checksummed in parallel (bench/checkpoint.py)
+# Creating the checkpoint group: every rank left the process-group barrier and DDP's parameter broadcast
+# moments before, and only telemetry set-up lies between (W&B's own init gives up after 90 s), so a rank
+# missing for 2 minutes is hung or dead; the 30-minute allowance below would make that a 30-minute hang.
+GROUP_START_TIMEOUT = timedelta(minutes=2)
+# Every later checkpoint collective: the longest is a barrier while the slowest rank writes its part (sync:
+# rank 0 writes everything; resume: rank 0 checksums it all). ~100 GB of training state at the slowest
+# fsync'd rate measured on our machines (0.2 GB/s) is ~8 minutes; 30 leaves room for slower shared storage.
+SAVE_TIMEOUT = timedelta(minutes=30)
 
 log = logging.getLogger(__name__)
 
@@ -108,7 +120,10 @@ class Checkpointer:
                                   "values")
         # A gloo group of our own: checkpoint collectives never queue behind the training backend's (nor
         # hit its lowered timeout during a long save), and async saves get the CPU backend they need.
-        return dist.new_group(backend="gloo", timeout=timedelta(minutes=30))
+        # Its creation waits for every rank: bounded by GROUP_START_TIMEOUT, not by the saves' allowance.
+        group = dist.new_group(backend="gloo", timeout=GROUP_START_TIMEOUT)
+        dist.set_timeout(SAVE_TIMEOUT, group=group)
+        return group
 
     def _barrier(self) -> None:
         if self._group is not None:
@@ -143,7 +158,8 @@ class Checkpointer:
             remove_step(directory)  # a torn (or superseded) leftover of the same step
             directory.mkdir(parents=True)
         self._barrier()  # no rank writes before the leftover is gone
-        upload, checksums = self._write(directory, step, shared, per_rank)
+        with failing_save(directory, discard=self.rank == 0):  # e.g. a full disk: the error names the file
+            upload, checksums = self._write(directory, step, shared, per_rank)
         blocking = time.perf_counter() - start
         log.info("checkpoint step=%d mode=%s blocking=%.3fs", step, self.cfg.mode, blocking)
         if upload is None:
@@ -182,12 +198,14 @@ class Checkpointer:
                 upload: Future | None = None) -> None:
         """Every rank: finish writing and hand its checksums to rank 0, which writes the marker and prunes."""
         if upload is not None:
-            upload.result()  # every rank's data and DCP's .metadata are written
+            with failing_save(directory, discard=self.rank == 0):
+                upload.result()  # every rank's data and DCP's .metadata are written
         gathered = self._gather(checksums)
         num_bytes = 0
         if self.rank == 0:
             every_rank = {name: entry for part in gathered for name, entry in part.items()}
-            num_bytes = write_marker(directory, step, self.cfg.mode, self.world_size, every_rank)
+            with failing_save(directory, discard=True):  # no marker: a torn save, deleted
+                num_bytes = write_marker(directory, step, self.cfg.mode, self.world_size, every_rank)
             prune(self.root, self.cfg.keep_last)
         self.last_save = SaveStats(step, self.cfg.mode, blocking, time.perf_counter() - start, num_bytes)
         if self.rank == 0:

@@ -14,17 +14,21 @@ disk or in a copy), not against an attacker. The size catches truncation; CRC32 
 up to 32 bits and any other corruption with probability 1 - 2**-32. It is not a security hash: whoever can
 write a file can forge its CRC. The exported model, which leaves the run, keeps sha256 (traincore.export).
 
-Files are written by traincore.checkpoint_writer, which checksums them on their way to disk.
+Files are written by traincore.checkpoint_writer, which checksums them on their way to disk. A write that
+fails (a full disk, an I/O error) raises :class:`CheckpointWriteError`, which names the file.
 """
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
 import os
 import re
 import shutil
 import zlib
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -37,13 +41,57 @@ STATE_FILE = "state.pt"  # sync: the whole state
 EXTRA_FILE = "extra.pt"  # dcp / async: the non-tensor state
 _STEP_NAME = re.compile(r"^step-(\d+)$")
 _BLOCK = 8 << 20  # read size when checksumming a file
+MODES = ("sync", "dcp", "async")
+_CRC32 = re.compile(r"^[0-9a-f]{8}$")
+_MARKER_KEYS = {"format_version", "step", "mode", "world_size", "format", "checksum", "files"}
+
 
 class CheckpointError(ValueError):
     """A checkpoint is missing, corrupt or does not fit this run; the message says which and what to do."""
 
 
 class CorruptCheckpointError(CheckpointError):
-    """A file of a complete checkpoint is missing, truncated or fails its checksum."""
+    """A file of a complete checkpoint (its marker included) is missing, truncated, fails its checksum or
+    cannot be parsed."""
+
+
+class CheckpointWriteError(CheckpointError, OSError):
+    """Writing a checkpoint file failed (no space left, an I/O error); an OSError too, with its errno.
+
+    Picklable, so a failure on one rank reaches rank 0 through DCP's gather intact.
+    """
+
+    def __init__(self, message: str, error: int | None = None, filename: str | None = None):
+        super().__init__(message)
+        self.errno, self.strerror, self.filename = error, message, filename
+
+    def __str__(self) -> str:
+        return self.args[0]
+
+    def __reduce__(self) -> tuple:
+        return type(self), (self.args[0], self.errno, self.filename)
+
+
+def write_error(exc: OSError, path: str | Path) -> CheckpointWriteError:
+    """The CheckpointWriteError for ``exc``, raised while writing ``path``."""
+    if isinstance(exc, CheckpointWriteError):
+        return exc
+    if exc.errno in (errno.ENOSPC, errno.EDQUOT):
+        message = (f"no space left on device while writing {path}: free space or choose another checkpoint "
+                   "root")
+    else:
+        message = (f"writing checkpoint file {path} failed: {exc.strerror or exc}: check that disk and its "
+                   "permissions, or choose another checkpoint root")
+    return CheckpointWriteError(message, exc.errno, str(path))
+
+
+@contextmanager
+def writing(path: str | Path) -> Iterator[None]:
+    """Turn an OSError raised inside into a CheckpointWriteError naming ``path``."""
+    try:
+        yield
+    except OSError as exc:
+        raise write_error(exc, path) from exc
 
 
 # ---- step directories ----------------------------------------------------------------------------
@@ -123,8 +171,18 @@ def publish(tmp: str | Path, path: str | Path) -> None:
 
 
 def load_file(path: Path) -> Any:
-    """A torch.save file, memory-mapped, restricted to weights_only."""
-    return torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+    """A torch.save file, memory-mapped, restricted to weights_only; CorruptCheckpointError naming the file
+    when it is missing or torch.load cannot read it."""
+    try:
+        return torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+    except FileNotFoundError as exc:
+        raise CorruptCheckpointError(f"checkpoint file {path} is missing: resume from another step, or "
+                                     f"delete {path.parent}") from exc
+    except Exception as exc:  # torch.load's reader reports a damaged or foreign file as whatever it hit
+        raise CorruptCheckpointError(
+            f"checkpoint file {path} cannot be read by torch.load ({type(exc).__name__}, chained): it is "
+            f"damaged or was not written by traincore.checkpoint: resume from another step, or delete "
+            f"{path.parent}") from exc
 
 
 # ---- the commit marker ---------------------------------------------------------------------------
@@ -143,26 +201,91 @@ def write_marker(directory: Path, step: int, mode: str, world_size: int, checksu
     marker = {"format_version": FORMAT_VERSION, "step": step, "mode": mode, "world_size": world_size,
               "format": "torch_save" if mode == "sync" else "dcp", "checksum": "crc32", "files": files}
     tmp = directory / f".{MARKER}.tmp"
-    tmp.write_text(json.dumps(marker, indent=1))
-    publish(tmp, directory / MARKER)
+    with writing(tmp):
+        tmp.write_text(json.dumps(marker, indent=1))
+        publish(tmp, directory / MARKER)
     return sum(entry["bytes"] for entry in files.values())
 
 
 def read_marker(directory: str | Path) -> dict:
-    """The commit marker of a step directory; CheckpointError when it is absent or unreadable."""
-    path = Path(directory) / MARKER
+    """The commit marker of a step directory, checked field by field.
+
+    CheckpointError when it is absent, unreadable, another program's or of a format version this code does
+    not read; CorruptCheckpointError (which resume answers by falling back) when it is damaged: not UTF-8,
+    not JSON, or a field of the wrong type.
+    """
+    directory = Path(directory)
+    path = directory / MARKER
     try:
-        marker = json.loads(path.read_text())
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise CheckpointError(f"{directory} is not a complete checkpoint ({MARKER}: {exc}): "
-                              "pass a step directory written by traincore.checkpoint") from exc
-    if not isinstance(marker, dict) or marker.get("format_version") not in READABLE_VERSIONS:
-        version = marker.get("format_version") if isinstance(marker, dict) else None
+        text = path.read_bytes().decode("utf-8")
+    except FileNotFoundError as exc:
+        raise CheckpointError(f"{directory} has no {MARKER}, so it is not a complete checkpoint (a save that "
+                              "did not finish, or a directory another program wrote): pass a step directory "
+                              "written by traincore.checkpoint") from exc
+    except OSError as exc:
+        raise CheckpointError(f"cannot read the commit marker {path} ({exc.strerror or exc}): check its "
+                              "permissions and the disk it is on") from exc
+    except UnicodeDecodeError as exc:
+        raise CorruptCheckpointError(f"commit marker {path} is corrupt: it is not text (byte {exc.start} is "
+                                     "not UTF-8): resume from another step, or delete "
+                                     f"{directory}") from exc
+    try:
+        marker = json.loads(text)
+    except json.JSONDecodeError as exc:
+        where = f"not valid JSON at line {exc.lineno} column {exc.colno}" if text.strip() else "it is empty"
+        raise CorruptCheckpointError(f"commit marker {path} is corrupt or truncated ({where}): resume from "
+                                     f"another step, or delete {directory}") from exc
+    if not isinstance(marker, dict) or len(_MARKER_KEYS & marker.keys()) < 3:
+        raise CheckpointError(f"{path} is not a traincore commit marker (a JSON {type(marker).__name__} "
+                              f"without the fields {', '.join(sorted(_MARKER_KEYS))}): another program wrote "
+                              "it: pass a step directory written by traincore.checkpoint, or use a fresh "
+                              "checkpoint root")
+    if "format_version" not in marker:  # most fields there: ours, damaged
+        raise CorruptCheckpointError(f"commit marker {path} is corrupt: it has no format_version: resume "
+                                     f"from another step, or delete {directory}")
+    version = marker["format_version"]
+    if version not in READABLE_VERSIONS:
         raise CheckpointError(
-            f"{directory} has checkpoint format version {version!r}, this code reads version "
-            f"{FORMAT_VERSION} and the earlier {', '.join(map(str, READABLE_VERSIONS[:-1]))}: resume it "
+            f"{directory} has checkpoint format version {version!r}, this code reads version {FORMAT_VERSION}"
+            f" and the earlier {', '.join(map(str, READABLE_VERSIONS[:-1]))}: resume it "
             "with the code that wrote it, or use a fresh checkpoint root")
+    problem = _marker_problem(marker)
+    if problem:
+        raise CorruptCheckpointError(f"commit marker {path} is corrupt: {problem}: resume from another step, "
+                                     f"or delete {directory}")
     return marker
+
+
+def _is_int(value: Any, least: int = 0) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= least
+
+
+def _marker_problem(marker: dict) -> str | None:
+    """What is wrong with a marker of a readable version, or None."""
+    if not _is_int(marker.get("step")):
+        return f"step is {marker.get('step')!r}, not a step number"
+    if marker.get("mode") not in MODES:
+        return f"mode is {marker.get('mode')!r}, not one of {', '.join(MODES)}"
+    if not _is_int(marker.get("world_size"), 1):
+        return f"world_size is {marker.get('world_size')!r}, not a positive integer"
+    expected_format = "torch_save" if marker["mode"] == "sync" else "dcp"
+    if marker.get("format") != expected_format:
+        return f"format is {marker.get('format')!r}, mode {marker['mode']} writes {expected_format!r}"
+    files = marker.get("files")
+    if not isinstance(files, dict):
+        return f"files is a {type(files).__name__}, not a mapping of file names"
+    for name, entry in files.items():
+        parts = Path(name).parts
+        if not name or Path(name).is_absolute() or ".." in parts or name == MARKER:
+            return f"it lists the file {name!r}, which is no file of a step directory"
+        if not (isinstance(entry, dict) and _is_int(entry.get("bytes"))
+                and isinstance(entry.get("crc32"), str) and _CRC32.match(entry["crc32"])):
+            return f"the entry of {name} is {entry!r}, not {{'bytes': <size>, 'crc32': <8 hex digits>}}"
+    needed = [STATE_FILE] if expected_format == "torch_save" else [EXTRA_FILE, ".metadata"]
+    missing = [name for name in needed if name not in files]
+    if missing:
+        return f"it lists no {', '.join(missing)}, which a {marker['mode']} checkpoint holds"
+    return None
 
 
 def verify_checkpoint(directory: str | Path) -> None:
@@ -173,18 +296,23 @@ def verify_checkpoint(directory: str | Path) -> None:
         size = path.stat().st_size if path.is_file() else None
         if size != expected["bytes"]:
             raise CorruptCheckpointError(f"checkpoint file {path} is missing or truncated: {size} bytes, the "
-                                         f"commit marker records {expected['bytes']}")
+                                         f"commit marker records {expected['bytes']}: resume from another "
+                                         f"step, or delete {directory}")
         if file_checksum(path)["crc32"] != expected["crc32"]:
             raise CorruptCheckpointError(f"checkpoint file {path} is corrupt: its CRC32 differs from the "
-                                         "commit marker")
+                                         f"commit marker: resume from another step, or delete {directory}")
 
 
 # ---- pruning -------------------------------------------------------------------------------------
 
 def remove_step(directory: Path) -> None:
     """Delete a step directory, complete or torn."""
-    # The marker goes first: a crash half-way leaves a torn directory, never a complete-looking one.
-    (directory / MARKER).unlink(missing_ok=True)
+    # The marker goes first, and its removal reaches the disk before any other file goes: a crash (or power
+    # cut) half-way leaves a torn directory, never a complete-looking one with files missing.
+    marker = directory / MARKER
+    if marker.exists():
+        marker.unlink(missing_ok=True)
+        _fsync(directory)
     shutil.rmtree(directory, ignore_errors=True)
 
 

@@ -9,10 +9,13 @@ Version 2 (read): ``model`` / ``optim`` tensors plus an ``extra`` dict of step, 
 param groups and per-rank RNG; :func:`_from_v2` maps it onto version 3's member names.
 
 Only tensors go through DCP, so reading never unpickles anything outside ``torch.load(weights_only=True)``.
+A file that cannot be read, or holds something else than its version's layout, raises CorruptCheckpointError
+naming the file.
 """
 
 from __future__ import annotations
 
+import pickle
 import warnings
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -22,8 +25,11 @@ from typing import Any
 
 import torch
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
 
-from traincore.checkpoint_files import EXTRA_FILE, STATE_FILE, load_file, read_marker
+from traincore.checkpoint_files import EXTRA_FILE, STATE_FILE, CorruptCheckpointError, load_file, read_marker
+
+_METADATA = ".metadata"  # DCP's index of a directory's tensors
 
 # Where version 2 kept the tensors that version 3 keeps under these member paths.
 _V2_TENSORS = {"model": ("model",), "optim": ("optimizer", "state")}
@@ -78,17 +84,46 @@ class SavedState:
 def open_saved(directory: Path, marker: dict) -> SavedState:
     """Read everything but the DCP tensors (a sync checkpoint is read whole, memory-mapped)."""
     if marker["format"] == "torch_save":
-        saved = load_file(directory / STATE_FILE)
+        path = directory / STATE_FILE
+        saved = load_file(path)
         if marker["format_version"] == 2:
-            saved = _from_v2(saved["extra"], saved["model"], saved["optim"])
+            _check_layout(saved, path, {"extra": dict, "model": dict, "optim": dict})
+            saved = _v2_or_corrupt(path, saved["extra"], saved["model"], saved["optim"])
+        _check_layout(saved, path, {"step": int, "shared": dict, "per_rank": list})
         shapes = flat_shapes(split_tensors(saved["shared"])[0])
         return SavedState(saved["step"], saved["shared"], saved["per_rank"], shapes)
-    extra = load_file(directory / EXTRA_FILE)
+    path = directory / EXTRA_FILE
+    extra = load_file(path)
     shapes = {key: list(md.size) for key, md in _dcp_metadata(directory).items()}
     if marker["format_version"] == 2:
-        extra = _from_v2(extra, {}, {})
+        _check_layout(extra, path, {})
+        extra = _v2_or_corrupt(path, extra, {}, {})
         shapes = {_v3_name(key): shape for key, shape in shapes.items()}
+    _check_layout(extra, path, {"step": int, "shared": dict, "per_rank": list})
     return SavedState(extra["step"], extra["shared"], extra["per_rank"], shapes)
+
+
+def _check_layout(saved: Any, path: Path, fields: dict[str, type]) -> None:
+    """CorruptCheckpointError unless ``saved`` is a dict with ``fields`` of those types."""
+    if not isinstance(saved, dict):
+        wrong = [f"it holds a {type(saved).__name__}, not a dict"]
+    else:
+        wrong = [f"{key} is {type(saved[key]).__name__ if key in saved else 'absent'}"
+                 for key, kind in fields.items() if not isinstance(saved.get(key), kind)]
+    if wrong:
+        expected = ", ".join(f"{key}: {kind.__name__}" for key, kind in fields.items()) or "a dict"
+        raise CorruptCheckpointError(f"checkpoint file {path} does not hold a traincore checkpoint's layout "
+                                     f"({expected}); wrong: {', '.join(wrong)}: it was not written by "
+                                     f"traincore.checkpoint: resume from another step, or delete "
+                                     f"{path.parent}")
+
+
+def _v2_or_corrupt(path: Path, extra: dict, model: dict, optim: dict) -> dict[str, Any]:
+    try:
+        return _from_v2(extra, model, optim)
+    except (KeyError, TypeError) as exc:
+        raise CorruptCheckpointError(f"checkpoint file {path} lacks {exc} of a version-2 checkpoint: resume "
+                                     f"from another step, or delete {path.parent}") from exc
 
 
 def load_tensors(saved: SavedState, directory: Path, marker: dict, template: dict[str, Any],
@@ -96,15 +131,27 @@ def load_tensors(saved: SavedState, directory: Path, marker: dict, template: dic
     """Fill ``template`` (the run's own tensors, resharded by DCP) and merge it into ``saved.shared``."""
     if marker["format"] == "torch_save":
         return
+    state = template
     if marker["format_version"] == 2:
-        v2 = {old: _get_path(template, path) for old, path in _V2_TENSORS.items()}
+        state = {old: _get_path(template, path) for old, path in _V2_TENSORS.items()}
+    try:
         with single_process_quiet(process_group is None):
-            dcp.load(v2, checkpoint_id=directory, process_group=process_group, no_dist=process_group is None)
-    else:
-        with single_process_quiet(process_group is None):
-            dcp.load(template, checkpoint_id=directory, process_group=process_group,
+            dcp.load(state, storage_reader=SafeFileSystemReader(directory), process_group=process_group,
                      no_dist=process_group is None)
+    except CheckpointException as exc:  # every rank gets it: DCP gathers the read results
+        raise _dcp_read_error(directory, exc) from exc
     saved.shared = merge(saved.shared, template)
+
+
+def _dcp_read_error(directory: Path, exc: CheckpointException) -> CorruptCheckpointError:
+    """A DCP read failure as one line naming the directory and its DCP files (DCP's error names none)."""
+    failures = ", ".join(f"{type(error).__name__} on rank {rank}" for rank, (error, _) in
+                         sorted(exc.failures.items()))
+    files = ", ".join(sorted(p.name for p in directory.glob("*.distcp"))) or "no .distcp file"
+    return CorruptCheckpointError(f"reading the DCP files of checkpoint {directory} ({files}, {_METADATA}) "
+                                  f"failed ({failures}, chained): one is damaged or was not written by "
+                                  "traincore.checkpoint: resume from another step, or delete "
+                                  f"{directory}")
 
 
 def read_checkpoint(directory: str | Path) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
@@ -128,8 +175,47 @@ def single_process_quiet(no_dist: bool) -> Iterator[None]:
         yield
 
 
+class _MetadataUnpickler(pickle.Unpickler):
+    """Unpickles DCP's ``.metadata`` index and nothing else: torch's reader uses plain ``pickle.load``, so a
+    forged ``.metadata`` could otherwise run code on resume or export."""
+
+    _MODULES = ("torch.distributed.checkpoint.metadata", "torch.distributed.checkpoint.filesystem")
+    _NAMES = {("torch", "Size"), ("torch.serialization", "_get_layout"), ("pathlib", "PosixPath"),
+              ("pathlib", "PurePosixPath"), ("collections", "OrderedDict")}
+
+    def find_class(self, module: str, name: str) -> Any:
+        dtype = module == "torch" and isinstance(getattr(torch, name, None), torch.dtype)
+        if module in self._MODULES or (module, name) in self._NAMES or dtype:
+            return super().find_class(module, name)
+        raise pickle.UnpicklingError(f"{module}.{name} is not part of DCP metadata: refused")
+
+
+class SafeFileSystemReader(dcp.FileSystemReader):
+    """DCP's filesystem reader with ``.metadata`` read through an allow-list unpickler."""
+
+    def read_metadata(self, *args: Any, **kwargs: Any) -> Any:
+        with open(Path(self.path) / _METADATA, "rb") as handle:
+            metadata = _MetadataUnpickler(handle).load()
+        if getattr(metadata, "storage_meta", None) is not None:
+            metadata.storage_meta.load_id = self.load_id
+        return metadata
+
+
 def _dcp_metadata(directory: Path) -> dict:
-    return dcp.FileSystemReader(directory).read_metadata().state_dict_metadata
+    path = directory / _METADATA
+    try:
+        metadata = SafeFileSystemReader(directory).read_metadata().state_dict_metadata
+        if not isinstance(metadata, dict):
+            raise TypeError(f"it holds a {type(metadata).__name__}, not DCP's index")
+        return metadata
+    except FileNotFoundError as exc:
+        raise CorruptCheckpointError(f"checkpoint file {path} is missing: resume from another step, or "
+                                     f"delete {directory}") from exc
+    except Exception as exc:  # unpickling reports a damaged file as whatever it hit
+        raise CorruptCheckpointError(f"checkpoint file {path} cannot be read as DCP metadata "
+                                     f"({type(exc).__name__}, chained): it is damaged or was not written by "
+                                     f"traincore.checkpoint: resume from another step, or delete "
+                                     f"{directory}") from exc
 
 
 def _dcp_model_entries(directory: Path) -> dict[str, tuple[list[int], torch.dtype]]:

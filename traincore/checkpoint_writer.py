@@ -4,6 +4,9 @@ Every file goes through a ChecksumWriter, which CRC32s the bytes on their way to
 runs at 6 GB/s, sha256 at 1.8, on one core; both release the GIL), so the commit reads nothing back. It
 writes with direct I/O: no page-cache memory to allocate, which is slow on VMs whose host backs guest
 memory lazily (bench/checkpoint.py), and the cache stays with the memory-mapped dataset.
+
+A write that fails raises CheckpointWriteError naming the file ("no space left on device while writing
+<path>: ..." for a full disk), in DCP's writer threads too, whose errors DCP itself would drop.
 """
 
 from __future__ import annotations
@@ -13,6 +16,7 @@ import mmap
 import os
 import threading
 import zlib
+from collections.abc import Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import contextmanager
 from pathlib import Path
@@ -20,9 +24,16 @@ from typing import Any
 
 import torch
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.filesystem import FileSystem
 
-from traincore.checkpoint_files import checksum_entry, publish
+from traincore.checkpoint_files import (
+    CheckpointError,
+    checksum_entry,
+    publish,
+    remove_step,
+    writing,
+)
 
 _WRITE_BLOCK = 64 << 20  # direct-I/O write size: 8 and 16 MiB streamed 20-40% slower (bench/checkpoint.py)
 _ALIGN = 4096  # direct I/O needs offsets and lengths in whole (logical) blocks of the device
@@ -75,7 +86,9 @@ class ChecksumWriter:
     """
 
     def __init__(self, path: str | Path):
-        self._fd: int | None = _open_direct(path)
+        self.path = Path(path)
+        with writing(path):
+            self._fd: int | None = _open_direct(path)
         self._crc_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="checkpoint-crc")
         self._io_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="checkpoint-write")
         self._blocks = [_take_block(), _take_block()]
@@ -104,8 +117,9 @@ class ChecksumWriter:
 
     def _queue_block(self) -> None:
         """Hand the current block to the CRC and write threads, then fill the other block."""
-        for future in self._pending:
-            future.result()  # the other block is checksummed, on disk and free again
+        with writing(self.path):
+            for future in self._pending:
+                future.result()  # the other block is checksummed, on disk and free again
         block = memoryview(self._blocks[0])
         padded = -(-self._fill // _ALIGN) * _ALIGN  # direct I/O writes whole pages; close() truncates
         self._pending = [self._crc_thread.submit(self._update_crc, block[:self._fill]),
@@ -136,10 +150,11 @@ class ChecksumWriter:
         try:
             if self._fill:
                 self._queue_block()
-            for future in self._pending:
-                future.result()
-            os.ftruncate(self._fd, self._bytes)
-            os.fsync(self._fd)
+            with writing(self.path):
+                for future in self._pending:
+                    future.result()
+                os.ftruncate(self._fd, self._bytes)
+                os.fsync(self._fd)
         finally:
             self._crc_thread.shutdown()  # both wait for work still running after an error
             self._io_thread.shutdown()
@@ -155,18 +170,45 @@ class ChecksumWriter:
 
 
 class _ChecksumFileSystem(FileSystem):
-    """DCP's local filesystem, adding each written file's checksum to ``into`` once the file is closed."""
+    """DCP's local filesystem, adding each written file's checksum to ``into`` once the file is closed.
+
+    It also keeps the errors of the files it writes: DCP's extra writer threads drop theirs (the thread
+    dies, its file's results go missing, and the save would commit without them).
+    """
 
     def __init__(self, into: dict[str, dict]):
         super().__init__()
         self._into = into
+        self.errors: list[BaseException] = []
+        self._state = threading.Condition()
+        self._open = 0  # streams being written
+        self._stopped = False
 
     @contextmanager
     def create_stream(self, path: str | os.PathLike, mode: str):
         assert mode == "wb", f"DCP's writer only creates files, got mode {mode!r}"
-        with ChecksumWriter(path) as stream:
-            yield stream
-        self._into[Path(path).name] = stream.checksum()  # DCP writes flat: names are relative to the step
+        with self._state:
+            if self._stopped or self.errors:
+                raise CheckpointError(f"not writing {path}: an earlier write of this checkpoint failed")
+            self._open += 1
+        try:
+            with ChecksumWriter(path) as stream:
+                yield stream
+            self._into[Path(path).name] = stream.checksum()  # DCP writes flat: names are relative to the step
+        except BaseException as exc:
+            with self._state:
+                self.errors.append(exc)
+            raise
+        finally:
+            with self._state:
+                self._open -= 1
+                self._state.notify_all()
+
+    def stop(self) -> None:
+        """Refuse new files and wait until the ones being written are closed."""
+        with self._state:
+            self._stopped = True
+            self._state.wait_for(lambda: self._open == 0)
 
 
 class ChecksumFileSystemWriter(dcp.FileSystemWriter):
@@ -177,8 +219,47 @@ class ChecksumFileSystemWriter(dcp.FileSystemWriter):
     """
 
     def __init__(self, directory: Path, thread_count: int, checksums: dict[str, dict]):
-        super().__init__(directory, thread_count=thread_count)
+        # sync_files off: DCP would fsync before ChecksumWriter.close() writes the last block; close() fsyncs.
+        super().__init__(directory, thread_count=thread_count, sync_files=False)
         self.fs = _ChecksumFileSystem(checksums)
+
+    def write_data(self, plan: Any, planner: Any) -> Any:
+        """DCP's write of this rank's files; raises the first file's error, whichever thread wrote it."""
+        try:
+            result = super().write_data(plan, planner)
+        except BaseException as exc:
+            self.fs.stop()  # the calling thread failed: its sibling threads write no more
+            first = self.fs.errors[0] if self.fs.errors else exc
+            if first is exc:
+                raise
+            raise first from None  # a sibling failed first; this thread then refused its next file
+        if self.fs.errors:  # every thread is joined: a sibling's error, which DCP dropped
+            raise self.fs.errors[0]
+        return result
+
+
+def save_failure(exc: BaseException) -> BaseException:
+    """The error a failed save raises: a CheckpointError from any rank rather than DCP's wrapper of it."""
+    if isinstance(exc, CheckpointException):
+        for _, (failure, _) in sorted(exc.failures.items()):
+            if isinstance(failure, CheckpointError):
+                return failure
+    return exc
+
+
+@contextmanager
+def failing_save(directory: Path, discard: bool) -> Iterator[None]:
+    """Around a save's writes: raise :func:`save_failure` of an error and, if ``discard`` (rank 0, once no
+    rank writes any more), delete the torn step directory, which frees its space."""
+    try:
+        yield
+    except BaseException as exc:
+        if discard:
+            remove_step(directory)
+        failure = save_failure(exc)
+        if failure is exc:
+            raise
+        raise failure from exc
 
 
 def save_file(obj: Any, path: Path) -> dict:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -20,6 +21,78 @@ class ConfigError(ValueError):
 def _check(ok: bool, name: str, value: Any, allowed: str) -> None:
     if not ok:
         raise ConfigError(f"{name}={value!r} is invalid: {allowed}")
+
+
+_EXPECTED = {
+    "bool": "true or false (a JSON boolean)",
+    "int": "an integer (a JSON number without a fraction)",
+    "float": "a number",
+    "str": "a string",
+}
+
+
+_TRUE, _FALSE = ("true", "yes", "on", "1"), ("false", "no", "off", "0")
+
+
+def _meant(value: Any, kind: str) -> tuple[bool, Any]:
+    """(True, the value of ``kind`` that ``value`` means), or (False, None): "8" -> 8, "no" -> False."""
+    try:
+        if kind == "bool" and isinstance(value, (str, int)) and str(value).strip().lower() in _TRUE + _FALSE:
+            return True, str(value).strip().lower() in _TRUE
+        if kind == "int" and isinstance(value, str):
+            return True, int(value.strip())
+        if kind == "int" and isinstance(value, float) and value.is_integer():
+            return True, int(value)
+        if kind == "float" and isinstance(value, str):
+            number = float(value.strip())
+            return math.isfinite(number), number
+        if kind == "str" and isinstance(value, (int, float)) and not isinstance(value, bool):
+            return True, str(value)
+    except ValueError:
+        pass
+    return False, None
+
+
+def _type_error(name: str, value: Any, kind: str) -> ConfigError:
+    """The ConfigError for ``value`` not being of ``kind``, with the spelling that would have worked."""
+    known, meant = _meant(value, kind)
+    hint = f"; write e.g. {{{json.dumps(name)}: {json.dumps(meant)}}}" if known else ""
+    return ConfigError(f"{name}={value!r} is invalid: expected {_EXPECTED[kind]}, got "
+                       f"{type(value).__name__}{hint}")
+
+
+def _check_types(section: Any, prefix: str) -> None:
+    """Every field of ``section`` must hold its annotated type: bool is bool (not "no" or 1), int is int (not
+    bool, not 8.0), float is int or float (finite, not bool), str is str. Runs before any range check."""
+    for spec in dataclasses.fields(section):
+        kind = spec.type if isinstance(spec.type, str) else spec.type.__name__
+        value, name = getattr(section, spec.name), f"{prefix}.{spec.name}"
+        if kind == "bool":
+            ok = isinstance(value, bool)
+        elif kind == "int":
+            ok = isinstance(value, int) and not isinstance(value, bool)
+        elif kind == "float":
+            ok = isinstance(value, (int, float)) and not isinstance(value, bool)
+            if ok and not math.isfinite(value):
+                raise ConfigError(f"{name}={value!r} is invalid: expected a finite number")
+        elif kind == "str":
+            ok = isinstance(value, str)
+        else:  # a new field type must be added here, not silently skipped
+            raise TypeError(f"{type(section).__name__}.{spec.name}: no type check for {kind!r}")
+        if not ok:
+            raise _type_error(name, value, kind)
+
+
+def _at_most(section: Any, prefix: str, **highs: int) -> None:
+    """Each named (already type-checked) field of ``section`` must be <= its given upper bound."""
+    for name, high in highs.items():
+        value = getattr(section, name)
+        _check(value <= high, f"{prefix}.{name}", value, f"must be <= {high}")
+
+
+def _digits(text: str) -> bool:
+    """True for a non-empty run of ASCII digits ("12"); "²" and "١٢" are digits to str.isdigit, not to int."""
+    return text.isascii() and text.isdigit()
 
 
 def _ints(section: Any, prefix: str, **lows: int) -> None:
@@ -38,6 +111,9 @@ SOURCE_KINDS = ("digits", "synthetic", "imagefolder")
 MODEL_NAMES = ("small_cnn", "resnet18", "resnet34", "resnet50", "vit_b_16", "mlp")
 CHECKPOINT_MODES = ("sync", "dcp", "async")
 WANDB_MODES = ("disabled", "offline", "online")
+DIST_BACKENDS = ("auto", "gloo", "nccl", "cpu:gloo,cuda:nccl")
+MAX_SEED = 2**63 - 1  # seed + rank must fit torch.manual_seed's 64 bits
+MAX_TIMEOUT_S = 2**31 - 1  # process-group timeouts travel as int64 milliseconds
 
 
 def parse_source(source: str) -> tuple[str, str]:
@@ -78,6 +154,7 @@ class DataConfig:
     """Processes that decode and resize ImageFolder images while staging; 0 = one per CPU core."""
 
     def __post_init__(self) -> None:
+        _check_types(self, "data")
         parse_source(self.source)
         _ints(self, "data", image_size=1, seed=0, synthetic_samples=1, synthetic_classes=2,
               samples_per_shard=1, decode_workers=0)
@@ -116,6 +193,7 @@ class LoaderConfig:
     """Samples per batch in validation and test evaluation (no gradients, so it can exceed batch_size)."""
 
     def __post_init__(self) -> None:
+        _check_types(self, "loader")
         _ints(self, "loader", batch_size=1, num_workers=0, prefetch_factor=1, eval_batch_size=1)
 
 
@@ -132,6 +210,7 @@ class ModelConfig:
     """Wrap the model in torch.compile: slower start-up, faster steps; pays off on long GPU runs."""
 
     def __post_init__(self) -> None:
+        _check_types(self, "model")
         _one_of("model.name", self.name, MODEL_NAMES)
         _ints(self, "model", width=1)
         _check(isinstance(self.dropout, (int, float)) and 0.0 <= self.dropout < 1.0, "model.dropout",
@@ -157,6 +236,7 @@ class OptimConfig:
     """Maximum global gradient L2 norm; 0 disables clipping."""
 
     def __post_init__(self) -> None:
+        _check_types(self, "optim")
         _check(isinstance(self.lr, (int, float)) and 0 < self.lr < 10, "optim.lr", self.lr,
                "must be in (0, 10)")
         _check(self.weight_decay >= 0, "optim.weight_decay", self.weight_decay, "must be >= 0")
@@ -188,12 +268,14 @@ class TrainConfig:
     """``START:END`` records a torch.profiler trace of that step window; empty = no profiling."""
 
     def __post_init__(self) -> None:
+        _check_types(self, "train")
         _ints(self, "train", max_steps=0, epochs=0, seed=0, eval_every=0, gc_every=1)
+        _at_most(self, "train", seed=MAX_SEED)
         _check(self.max_steps > 0 or self.epochs > 0, "train.max_steps/train.epochs",
                (self.max_steps, self.epochs), "set max_steps >= 1 or epochs >= 1")
         if self.profile_steps:
             parts = self.profile_steps.split(":")
-            ok = len(parts) == 2 and all(p.isdigit() for p in parts) and int(parts[0]) < int(parts[1])
+            ok = len(parts) == 2 and all(_digits(p) for p in parts) and int(parts[0]) < int(parts[1])
             _check(ok, "train.profile_steps", self.profile_steps,
                    "must look like 'START:END' with START < END")
 
@@ -220,9 +302,10 @@ class CheckpointConfig:
     """Check every file's size and CRC32 against the commit marker before resuming from it."""
 
     def __post_init__(self) -> None:
+        _check_types(self, "checkpoint")
         _one_of("checkpoint.mode", self.mode, CHECKPOINT_MODES)
         _ints(self, "checkpoint", every=0, keep_last=1)
-        _check(self.resume in ("latest", "none") or str(self.resume).isdigit(), "checkpoint.resume",
+        _check(self.resume in ("latest", "none") or _digits(self.resume), "checkpoint.resume",
                self.resume, "must be 'latest', 'none' or a step number")
 
 
@@ -247,6 +330,7 @@ class TelemetryConfig:
     """Log level: DEBUG, INFO, WARNING or ERROR."""
 
     def __post_init__(self) -> None:
+        _check_types(self, "telemetry")
         _ints(self, "telemetry", log_every=1, tb_max_queue=1, tb_flush_secs=1)
         _one_of("telemetry.wandb_mode", self.wandb_mode, WANDB_MODES)
         _one_of("telemetry.progress", self.progress, ("auto", "on", "off"))
@@ -264,8 +348,10 @@ class DistConfig:
     """Process-group timeout in seconds once the first step has run: a hung rank fails the run sooner."""
 
     def __post_init__(self) -> None:
-        _one_of("dist.backend", self.backend, ("auto", "gloo", "nccl", "cpu:gloo,cuda:nccl"))
+        _check_types(self, "dist")
+        _one_of("dist.backend", self.backend, DIST_BACKENDS)
         _ints(self, "dist", init_timeout_s=1, step_timeout_s=1)
+        _at_most(self, "dist", init_timeout_s=MAX_TIMEOUT_S, step_timeout_s=MAX_TIMEOUT_S)
 
 
 @dataclass
@@ -287,6 +373,17 @@ class Config:
     """Metrics, logs and the progress bar."""
     dist: DistConfig = field(default_factory=DistConfig)
     """Process-group backend and timeouts."""
+
+    def __post_init__(self) -> None:
+        for spec in dataclasses.fields(self):
+            section, kind = getattr(self, spec.name), spec.default_factory
+            _check(isinstance(section, kind), spec.name, section, f"must be a {kind.__name__}")
+        # Options that are valid alone but not together.
+        if self.checkpoint.mode == "async" and self.dist.backend == "nccl":
+            raise ConfigError(
+                "checkpoint.mode='async' with dist.backend='nccl' is invalid: async checkpoints commit in "
+                "the background over a CPU (gloo) backend, which 'nccl' alone lacks; set dist.backend to "
+                "'auto' or 'cpu:gloo,cuda:nccl', or checkpoint.mode to 'sync' or 'dcp'")
 
     def to_dict(self) -> dict[str, dict[str, Any]]:
         return dataclasses.asdict(self)
@@ -313,10 +410,6 @@ class Config:
             raise ConfigError(f"config overrides must be a JSON object, got {type(overrides).__name__}")
         merged = self.to_dict()
         for key, value in _nest(overrides).items():
-            if key not in _SECTIONS:
-                raise ConfigError(f"unknown config section {key!r}; sections are {', '.join(_SECTIONS)}")
-            if not isinstance(value, dict):
-                raise ConfigError(f"config section {key!r} must be an object of fields, got {value!r}")
             known = {f.name for f in dataclasses.fields(_SECTIONS[key])}
             for name, item in value.items():
                 if name not in known:
@@ -326,16 +419,20 @@ class Config:
         return Config(**{name: _SECTIONS[name](**values) for name, values in merged.items()})
 
 
-def _nest(overrides: dict[str, Any]) -> dict[str, Any]:
-    nested: dict[str, Any] = {}
+def _nest(overrides: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    """Dotted keys into sections: ``{"loader.batch_size": 8}`` -> ``{"loader": {"batch_size": 8}}``."""
+    nested: dict[str, dict[str, Any]] = {}
     for key, value in overrides.items():
-        section, dot, name = key.partition(".")
+        section, dot, name = key.partition(".") if isinstance(key, str) else (key, "", "")
+        if section not in _SECTIONS:
+            raise ConfigError(f"unknown config section {section!r}; sections are {', '.join(_SECTIONS)}")
         if dot:
             nested.setdefault(section, {})[name] = value
         elif isinstance(value, dict):
             nested.setdefault(section, {}).update(value)
         else:
-            nested[key] = value
+            raise ConfigError(f"config section {key!r} must be an object of fields, got {value!r}; write "
+                              'e.g. {"loader": {"batch_size": 32}}')
     return nested
 
 

@@ -4,6 +4,10 @@ A single process with no launcher env runs without a process group. With CUDA th
 "cpu:gloo,cuda:nccl": NCCL for gradients, gloo for CPU collectives (async checkpointing needs one).
 Start-up gets a generous timeout (slow image pulls, rendezvous); once the first step has run, the
 timeout is cut so a hung peer fails the job in minutes rather than the start-up allowance.
+
+Under torch elastic (torchrun, flytekit's Elastic task) the workers are clients of the agent's TCPStore,
+which outlives restarts of the worker group; each attempt gets a key namespace of its own there
+(:func:`attempt_store`), so a restarted group never reads the dead attempt's keys.
 """
 
 from __future__ import annotations
@@ -11,7 +15,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from datetime import timedelta
 
@@ -70,6 +74,45 @@ def pick_device(local_rank: int) -> torch.device:
     return torch.device("cpu")
 
 
+def attempt_store(timeout: timedelta) -> dist.Store | None:
+    """This restart attempt's namespace in torch elastic's agent store; None when there is no agent store.
+
+    With ``TORCHELASTIC_USE_AGENT_STORE=True`` every worker is a client of the agent's TCPStore at
+    MASTER_ADDR:MASTER_PORT, which lives as long as the agent, across restarts of the worker group. env://
+    adds no per-attempt prefix, so a restarted group would read the dead attempt's keys: its gloo peer
+    addresses (connection refused to a dead port) and its barrier counters (a barrier that passes too early
+    or never completes). ``TORCHELASTIC_RESTART_COUNT`` numbers the attempts of this agent's group.
+
+    Caveat, several nodes: each agent counts its own restarts and does not count a restart for a
+    membership change, so counts can differ between nodes; ranks then wait in different namespaces and
+    init fails after ``timeout`` (bounded, never silent).
+    """
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":  # torch's own test: str(True)
+        return None
+    try:
+        host, port = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
+        attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+    except (KeyError, ValueError) as exc:
+        raise ValueError(f"torch elastic's agent store needs MASTER_ADDR, an integer MASTER_PORT and "
+                         f"TORCHELASTIC_RESTART_COUNT ({exc!r}); launch with torchrun") from exc
+    # A client only: the agent hosts the server (is_master=False never binds the port).
+    client = dist.TCPStore(host, port, is_master=False, timeout=timeout)
+    return dist.PrefixStore(f"traincore/attempt-{attempt}", client)
+
+
+def init_group(backend: str, rank: int, world_size: int, timeout: timedelta) -> None:
+    """Start the default process group: on this attempt's store under torch elastic, else env://.
+
+    ``timeout`` (``dist.init_timeout_s``) bounds every start-up wait: connecting to the store, every rank
+    joining, and the collectives until :func:`tighten_timeout` lowers it after the first step.
+    """
+    store = attempt_store(timeout)
+    if store is None:
+        dist.init_process_group(backend, timeout=timeout)
+    else:
+        dist.init_process_group(backend, store=store, rank=rank, world_size=world_size, timeout=timeout)
+
+
 @contextlib.contextmanager
 def distributed(cfg: DistConfig) -> Iterator[DistContext]:
     """Initialise the process group (when launched with several ranks) and always tear it down."""
@@ -79,7 +122,7 @@ def distributed(cfg: DistConfig) -> Iterator[DistContext]:
     started = False
     if world_size > 1 and not dist.is_initialized():
         backend = resolve_backend(cfg, device.type == "cuda")
-        dist.init_process_group(backend, timeout=timedelta(seconds=cfg.init_timeout_s))
+        init_group(backend, rank, world_size, timedelta(seconds=cfg.init_timeout_s))
         started = True
         log.info("process group up: backend %s, world size %d, device %s", backend, world_size, device)
     try:
@@ -97,6 +140,41 @@ def tighten_timeout(cfg: DistConfig) -> None:
         return
     dist.set_timeout(timedelta(seconds=cfg.step_timeout_s))
     log.debug("process-group timeout now %d s", cfg.step_timeout_s)
+
+
+class CollectiveTimeoutError(dist.DistError):
+    """A collective timed out waiting for another rank; the message says what timed out and what to do.
+
+    A DistError like torch's own timeouts, so the Flyte task treats it as a transient fault (a retry).
+    """
+
+
+def is_timeout(exc: BaseException) -> bool:
+    """Whether ``exc`` is a process-group or store timeout (gloo: "Timed out waiting 5000ms for ...")."""
+    text = str(exc).lower()
+    return isinstance(exc, RuntimeError) and ("timed out" in text or "timeout" in text)
+
+
+@contextlib.contextmanager
+def explain_timeouts(cfg: DistConfig, rank: int, last_step: Callable[[], int]) -> Iterator[None]:
+    """Re-raise a collective's timeout inside the block as a CollectiveTimeoutError that says what to do.
+
+    gloo reports a peer that never joins a collective as a bare RuntimeError from wherever the collective
+    ran (DDP's hooks, telemetry's all-reduce, a checkpoint barrier), naming neither the setting nor where
+    to look. ``last_step()`` is the last step this rank completed. The original error stays chained.
+    """
+    try:
+        yield
+    except RuntimeError as exc:
+        if isinstance(exc, CollectiveTimeoutError) or not is_timeout(exc):
+            raise
+        detail = next(iter(str(exc).strip().splitlines()), type(exc).__name__)
+        raise CollectiveTimeoutError(
+            f"rank {rank}: a collective timed out after step {last_step()}: another rank never joined it "
+            "(it hung or died); look at the other ranks' logs for why. Training collectives wait "
+            f"dist.step_timeout_s={cfg.step_timeout_s} s once the first step has run "
+            f"(dist.init_timeout_s={cfg.init_timeout_s} s until then); if a step legitimately takes longer, "
+            f"raise dist.step_timeout_s. [{detail}]") from exc
 
 
 def all_reduce_sum(values: list[float], device: torch.device) -> list[float]:

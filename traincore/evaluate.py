@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 
 from traincore.data import StagingError
-from traincore.export import load_exported
+from traincore.export import ExportError, load_exported
 from traincore.loader import Normalizer, StagedSplit, eval_batches
 
 
@@ -59,16 +59,47 @@ def _check_compatible(meta: dict, split: StagedSplit, model_path: str | Path) ->
             "data staged with the training settings")
 
 
+def _check_meta(meta: dict, model_path: str | Path) -> None:
+    """The config keys evaluation needs beyond those that rebuild the model: class names and normalisation."""
+    config_path = Path(model_path).with_suffix(".json")
+    channels = meta["shape"][0] if meta["shape"] else 0
+    for key, ok in (("classes", lambda v: isinstance(v, list) and len(v) == meta["num_classes"]),
+                    ("mean", lambda v: isinstance(v, list) and len(v) == channels),
+                    ("std", lambda v: isinstance(v, list) and len(v) == channels)):
+        if not ok(meta.get(key)):
+            raise ExportError(f"model config {config_path} has {key}={meta.get(key)!r}, which does not "
+                              f"match its {meta['num_classes']} classes of shape {tuple(meta['shape'])}: "
+                              "export the model again from a checkpoint written by traincore.train")
+
+
+def resolve_device(device: str | torch.device | None) -> torch.device:
+    """``device`` as a torch.device this machine has (default: cuda when available, else cpu); ValueError
+    naming the value and the choices otherwise."""
+    cuda = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if device is None or device == "":
+        return torch.device("cuda" if cuda else "cpu")
+    choices = "use cpu" + (f", cuda or cuda:0 to cuda:{cuda - 1}" if cuda
+                           else " (this machine has no CUDA device)")
+    try:
+        resolved = torch.device(device)
+    except (RuntimeError, TypeError, ValueError) as exc:
+        raise ValueError(f"device {device!r} (--device) is not a device name: {choices}") from exc
+    if resolved.type == "cpu" or (resolved.type == "cuda" and cuda and (resolved.index or 0) < cuda):
+        return resolved
+    raise ValueError(f"device {device!r} (--device) is not available on this machine: {choices}")
+
+
 def evaluate(model_path: str | Path, data_dir: str | Path, split: str = "test", batch_size: int = 256,
              device: str | torch.device | None = None) -> EvalResult:
     """Run the exported model over ``split`` of ``data_dir`` and measure it."""
-    if batch_size < 1:
-        raise ValueError(f"batch_size={batch_size} is invalid: it must be >= 1")
-    device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
+        raise ValueError(f"batch_size={batch_size} is invalid: it must be >= 1 (--batch-size)")
+    device = resolve_device(device)
     model, meta = load_exported(model_path)
-    model.to(device)
+    _check_meta(meta, model_path)
     data = StagedSplit(data_dir, split)
     _check_compatible(meta, data, model_path)
+    model.to(device)
     # The model's own normalisation, from its training data: correct even on a differently staged copy.
     normalize = Normalizer(meta["mean"], meta["std"], device)
     num_classes = len(meta["classes"])

@@ -12,11 +12,15 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
+import pickle
 import sys
+import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 from torch import nn
 
@@ -24,6 +28,7 @@ from traincore.checkpoint_files import (
     MARKER,
     CheckpointError,
     latest_complete,
+    parse_step_name,
     publish,
     read_marker,
     sha256_file,
@@ -61,6 +66,9 @@ def config_path_for(path: str | Path) -> Path:
 def resolve_checkpoint(checkpoint: str | Path) -> Path:
     """A step directory as given, or the latest complete one under a checkpoints root."""
     path = Path(checkpoint)
+    if path.is_file():
+        raise CheckpointError(f"checkpoint {path} is a file: pass a step directory (step-000123) or the "
+                              "checkpoints root of a training run")
     if not path.is_dir():
         raise CheckpointError(f"checkpoint {path} does not exist: pass a step directory (step-000123) or "
                               "the checkpoints root of a training run")
@@ -73,38 +81,65 @@ def resolve_checkpoint(checkpoint: str | Path) -> Path:
     return latest
 
 
+def _inside_checkpoint(path: Path) -> Path | None:
+    """The complete step directory that ``path`` lies in (``path`` resolved), or None."""
+    for parent in path.resolve().parents:
+        if parse_step_name(parent.name) is not None and (parent / MARKER).is_file():
+            return parent
+    return None
+
+
 def _check_output(output: str | Path, checkpoint_dir: Path) -> Path:
-    """``output`` as a Path; ExportError if it is a directory, is its own config or lies in the checkpoint."""
+    """``output`` as a Path whose directory exists and is writable; ExportError if it is a directory, is
+    its own config or lies in a committed checkpoint (the one exported or any other)."""
+    if str(output).endswith(("/", os.sep)) or Path(output).is_dir():
+        raise ExportError(f"output {output} is a directory: pass a file path such as "
+                          f"{Path(output) / WEIGHTS_FILE}")
     output = Path(output)
-    if output.is_dir():
-        raise ExportError(f"output {output} is a directory: pass a file path such as {output / WEIGHTS_FILE}")
     if config_path_for(output) == output:
         raise ExportError(f"output {output} is also where its JSON config goes: use a .safetensors name such "
                           f"as {output.with_suffix('.safetensors')}")
-    if output.resolve().is_relative_to(checkpoint_dir.resolve()):
-        raise ExportError(f"output {output} is inside the checkpoint {checkpoint_dir} being exported, which "
-                          "must not change once committed: write the model outside the checkpoint directory")
+    inside = checkpoint_dir if output.resolve().is_relative_to(checkpoint_dir.resolve()) else None
+    inside = inside or _inside_checkpoint(output)
+    if inside is not None:
+        raise ExportError(f"output {output} is inside the checkpoint {inside}, which must not change once "
+                          "committed (export never writes there): write the model outside the checkpoint "
+                          "directory")
+    _check_writable(output.parent, output)
     return output
 
 
+def _check_writable(directory: Path, output: Path) -> None:
+    """Prove ``directory`` (or, while it does not exist, the nearest ancestor that does, where it would be
+    created) writable with a probe file, before any work is done and without creating anything."""
+    fix = "choose an --output in a directory you can write to"
+    existing = directory
+    while not existing.exists() and existing != existing.parent:
+        existing = existing.parent
+    if not existing.is_dir():
+        raise ExportError(f"cannot write {output}: {existing} is a file, not a directory: {fix}")
+    try:
+        handle, probe = tempfile.mkstemp(prefix=f".{output.name}.probe-", dir=existing)
+        os.close(handle)
+        os.unlink(probe)
+    except OSError as exc:
+        raise ExportError(f"cannot write {output}: {existing} is not writable ({exc.strerror or exc}): "
+                          f"{fix}") from exc
+
+
 def export(checkpoint: str | Path, output: str | Path) -> ExportResult:
-    """Consolidate the model of ``checkpoint`` into ``output`` (safetensors) plus its JSON config."""
+    """Consolidate the model of ``checkpoint`` into ``output`` (safetensors) plus its JSON config.
+
+    Every input is checked before anything is written (the output's directory with a probe file); a
+    failure leaves neither the model, nor its config, nor a temporary file behind.
+    """
     directory = resolve_checkpoint(checkpoint)
     output = _check_output(output, directory)
     verify_checkpoint(directory)
-    weights, extra = read_checkpoint(directory)
-    meta = extra["meta"]
-    missing = [key for key in ("config", "num_classes", "shape") if key not in meta]
-    if missing:
-        raise ExportError(f"checkpoint {directory} records no {', '.join(missing)} of its run, so the model "
-                          "cannot be rebuilt: export a checkpoint written by traincore.train")
-    config = {"model": meta["config"]["model"], "num_classes": meta["num_classes"],
-              "shape": list(meta["shape"]), "classes": meta.get("classes"), "mean": meta.get("mean"),
-              "std": meta.get("std"), "step": extra["step"], "checkpoint": str(directory),
-              "checkpoint_mode": read_marker(directory)["mode"]}
-    output.parent.mkdir(parents=True, exist_ok=True)
-    tmp = output.with_name(f".{output.name}.tmp")
+    weights, config = _read(directory)
+    tmp, config_path = output.with_name(f".{output.name}.tmp"), config_path_for(output)
     try:
+        output.parent.mkdir(parents=True, exist_ok=True)
         save_file({name: tensor.contiguous() for name, tensor in weights.items()}, tmp)
         # The model is rebuilt from the written file, not from memory: what is published is what was proven.
         model = _load(tmp, config, f"checkpoint {directory}")
@@ -112,12 +147,49 @@ def export(checkpoint: str | Path, output: str | Path) -> ExportResult:
         config |= {"sha256": sha256_file(tmp), "num_parameters": parameter_count(model)}
         num_bytes = tmp.stat().st_size
         publish(tmp, output)
+        try:
+            _publish_json(config, config_path)  # last: the config's sha256 declares the weights complete
+        except BaseException:
+            output.unlink(missing_ok=True)  # weights without their config must not look exported
+            raise
+    except OSError as exc:
+        where = f" ({exc.filename})" if exc.filename and str(exc.filename) != str(output) else ""
+        raise ExportError(f"cannot write {output}: {exc.strerror or exc}{where}: free space or choose an "
+                          "--output you can write to") from exc
     finally:
         tmp.unlink(missing_ok=True)
-    config_path = config_path_for(output)
-    _publish_json(config, config_path)  # last: the config's sha256 declares the weights complete
     return ExportResult(str(output), str(config_path), config["sha256"], num_bytes, config["step"],
                         config["num_parameters"])
+
+
+_UNREADABLE = (OSError, RuntimeError, ValueError, KeyError, TypeError, AttributeError, EOFError,
+               pickle.UnpicklingError)
+"""What reading a damaged or foreign checkpoint raises, besides the CheckpointErrors of its marker."""
+
+
+def _read(directory: Path) -> tuple[dict[str, torch.Tensor], dict]:
+    """The checkpoint's weights and the exported model's config (without sha256 and parameter count)."""
+    redo = "export a checkpoint written by traincore.train"
+    try:
+        weights, extra = read_checkpoint(directory)
+        meta, mode = extra["meta"], read_marker(directory)["mode"]
+    except CheckpointError:
+        raise
+    except _UNREADABLE as exc:
+        raise ExportError(f"checkpoint {directory} cannot be read ({type(exc).__name__}: {exc}): "
+                          f"{redo}") from exc
+    if not isinstance(meta, dict) or not isinstance(weights, dict):
+        raise ExportError(f"checkpoint {directory} holds no model weights and run record: {redo}")
+    missing = [key for key in ("config", "num_classes", "shape") if key not in meta]
+    if missing:
+        raise ExportError(f"checkpoint {directory} records no {', '.join(missing)} of its run, so the model "
+                          f"cannot be rebuilt: {redo}")
+    model = meta["config"].get("model") if isinstance(meta["config"], dict) else None
+    if not isinstance(model, dict):
+        raise ExportError(f"checkpoint {directory} records no model config of its run: {redo}")
+    return weights, {"model": model, "num_classes": meta["num_classes"], "shape": list(meta["shape"]),
+                     "classes": meta.get("classes"), "mean": meta.get("mean"), "std": meta.get("std"),
+                     "step": extra["step"], "checkpoint": str(directory), "checkpoint_mode": mode}
 
 
 def _publish_json(data: dict, path: Path) -> None:
@@ -131,12 +203,21 @@ def _publish_json(data: dict, path: Path) -> None:
 
 def _load(path: Path, config: dict, source: str) -> nn.Module:
     """The model ``config`` describes, with the weights in ``path``, in eval mode."""
-    model = build_model(ModelConfig(**config["model"]), config["num_classes"], tuple(config["shape"]))
+    again = "export again from a checkpoint written by this version of traincore"
     try:
-        model.load_state_dict(load_file(path), strict=True)
+        model = build_model(ModelConfig(**config["model"]), config["num_classes"], tuple(config["shape"]))
+    except (ValueError, TypeError, KeyError) as exc:  # ConfigError is a ValueError
+        raise ExportError(f"the model config of {source} cannot be built ({exc}): {again}") from exc
+    try:
+        state = load_file(path)
+    except SafetensorError as exc:
+        raise ExportError(f"{path} is not a safetensors file ({exc}): pass a model.safetensors written by "
+                          "python -m traincore.export") from exc
+    try:
+        model.load_state_dict(state, strict=True)
     except RuntimeError as exc:
         raise ExportError(f"the weights of {source} do not fit the model its config describes ({exc}): "
-                          "export again from a checkpoint written by this version of traincore") from exc
+                          f"{again}") from exc
     return model.eval()
 
 
@@ -156,17 +237,57 @@ def _check_forward(model: nn.Module, config: dict, source: str) -> None:
 
 
 def load_exported(path: str | Path) -> tuple[nn.Module, dict]:
-    """The exported model (eval mode) and its JSON config; ExportError if the file's sha256 differs."""
+    """The exported model (eval mode) and its JSON config; ExportError naming the file and the fix if either
+    is missing, damaged or not what traincore.export writes, or if the file's sha256 differs."""
     path, config_path = Path(path), config_path_for(path)
+    again = f"export it again: python -m traincore.export --checkpoint DIR --output {path}"
+    if path.is_dir():
+        raise ExportError(f"model {path} is a directory: pass the exported file inside it, e.g. "
+                          f"{path / WEIGHTS_FILE}")
+    if config_path == path:
+        raise ExportError(f"model {path} is the JSON config of an export: pass the weights file beside it, "
+                          f"e.g. {path.with_suffix('.safetensors')}")
     if not path.is_file() or not config_path.is_file():
         raise ExportError(f"exported model {path} or its config {config_path} is missing: run "
                           f"python -m traincore.export --checkpoint DIR --output {path}")
-    config = json.loads(config_path.read_text())
+    config = _read_config(config_path, again)
+    _check_safetensors(path)
     digest = sha256_file(path)
     if digest != config["sha256"]:
         raise ExportError(f"{path} has sha256 {digest[:16]}..., but {config_path} records "
                           f"{config['sha256'][:16]}...: the file is corrupt or was replaced; export it again")
     return _load(path, config, str(path)), config
+
+
+def _read_config(config_path: Path, again: str) -> dict:
+    """An export's JSON config, checked for the keys that rebuild and verify the model."""
+    try:
+        config = json.loads(config_path.read_bytes())
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise ExportError(f"model config {config_path} is not valid JSON ({exc}): it is truncated or was "
+                          f"edited; {again}") from exc
+    if not isinstance(config, dict):
+        raise ExportError(f"model config {config_path} holds a JSON {type(config).__name__}, not an object: "
+                          f"{again}")
+    expected = {"sha256": (str, "a sha256 string"), "model": (dict, "an object"),
+                "num_classes": (int, "an integer"), "shape": (list, "[C, H, W]")}
+    for key, (kind, what) in expected.items():
+        if not isinstance(config.get(key), kind) or isinstance(config.get(key), bool):
+            raise ExportError(f"model config {config_path} has {key}={config.get(key)!r}, expected {what}: "
+                              f"{again}")
+    return config
+
+
+def _check_safetensors(path: Path) -> None:
+    """ExportError unless ``path`` starts like a safetensors file: an 8-byte header length, then a JSON object
+    that fits in the file."""
+    with open(path, "rb") as handle:
+        head = handle.read(9)
+    size = path.stat().st_size
+    length = int.from_bytes(head[:8], "little") if len(head) == 9 else -1
+    if not (0 < length <= size - 8 and head[8:9] == b"{"):
+        raise ExportError(f"{path} is not a safetensors file (no safetensors header): pass the "
+                          "model.safetensors written by python -m traincore.export")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -177,7 +298,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         result = export(args.checkpoint, args.output)
-    except (CheckpointError, ExportError) as exc:
+    except (CheckpointError, ExportError, OSError) as exc:  # OSError: raised outside export's own checks
         print(f"error: {exc}", file=sys.stderr)
         return 2
     print(f"exported {result.path} ({result.num_bytes / 1e6:.2f} MB, sha256 {result.sha256[:12]}, "

@@ -16,7 +16,6 @@ normalised float32 on the training device. On CUDA a side-stream prefetcher over
 
 from __future__ import annotations
 
-import hashlib
 import itertools
 import logging
 import weakref
@@ -27,14 +26,15 @@ import numpy as np
 import torch
 
 from traincore.config import LoaderConfig
-from traincore.data import Manifest, StagingError
+from traincore.data import Manifest, StagingError, check_size, read_labels, verify_images
 
 log = logging.getLogger(__name__)
 Batch = tuple[torch.Tensor, torch.Tensor]
 
 
 class StagedSplit:
-    """One split of a staged dataset, memory-mapped; sizes verified on open, hashes on request."""
+    """One split of a staged dataset, memory-mapped and checked on open (traincore.data: sizes and labels
+    every time, image sha256 once per staging, recorded in ``verified.json``)."""
 
     def __init__(self, directory: str | Path, split: str, verify_hashes: bool = False):
         self.directory = Path(directory)
@@ -50,36 +50,22 @@ class StagedSplit:
         shape = self.manifest.shape
         self._images, self._labels = [], []
         for shard in info.shards:
-            self._check_size(shard.images, shard.count * self.manifest.sample_bytes)
-            self._check_size(shard.labels, shard.count * 8)
+            check_size(self.directory / shard.images, shard.count * self.manifest.sample_bytes)
+            self._labels.append(read_labels(self.directory, self.manifest, shard))
+        # Hashes the image shards only if no record vouches for them (or always, with verify_hashes).
+        verify_images(self.directory, self.manifest, [split], force=verify_hashes)
+        for shard in info.shards:
             # A plain ndarray view of the map: numpy's memmap subclass adds per-call overhead to every take.
             mapped = np.memmap(self.directory / shard.images, np.uint8, "r", shape=(shard.count, *shape))
             self._images.append(np.asarray(mapped))
-            self._labels.append(np.fromfile(self.directory / shard.labels, dtype=np.int64))
         self._offsets = np.cumsum([0] + [s.count for s in info.shards])
         self.labels = np.concatenate(self._labels)
-        if verify_hashes:
-            self.verify()
-
-    def _check_size(self, name: str, expected: int) -> None:
-        path = self.directory / name
-        actual = path.stat().st_size if path.exists() else -1
-        if actual != expected:
-            raise StagingError(f"shard {path} is {'missing' if actual < 0 else f'{actual} bytes'}, expected "
-                               f"{expected} bytes: the staged dataset is truncated or damaged; "
-                               "stage it again")
 
     def verify(self) -> None:
-        """Check every shard's sha256 against the manifest."""
+        """Hash every shard of this split again, whatever the record says; StagingError on a mismatch."""
         for shard in self.manifest.splits[self.split].shards:
-            for name, digest in ((shard.images, shard.images_sha256), (shard.labels, shard.labels_sha256)):
-                hasher = hashlib.sha256()
-                with open(self.directory / name, "rb") as handle:
-                    for block in iter(lambda h=handle: h.read(1 << 22), b""):
-                        hasher.update(block)
-                if hasher.hexdigest() != digest:
-                    raise StagingError(f"shard {self.directory / name} fails its sha256 check: the staged "
-                                       "dataset is corrupted; stage it again")
+            read_labels(self.directory, self.manifest, shard)
+        verify_images(self.directory, self.manifest, [self.split], force=True)
 
     def __len__(self) -> int:
         return int(self._offsets[-1])

@@ -1,7 +1,13 @@
 """Metric sinks for rank 0: JSONL always, TensorBoard and Weights & Biases as configured.
 
-Each sink takes ``log(step, metrics, kind)`` and ``close()``; :func:`build_sinks` opens the set a
-:class:`~traincore.config.TelemetryConfig` asks for.
+Each sink takes ``log(step, metrics, kind)``, ``resumed_at(step)`` and ``close()``; :func:`build_sinks`
+opens the set a :class:`~traincore.config.TelemetryConfig` asks for.
+
+Resuming: an attempt killed after its last checkpoint (step S) had already logged steps S+1..K, and the
+resumed attempt trains and logs them again. ``resumed_at(S)`` (called by Telemetry once the checkpoint is
+loaded, with S=0 for a fresh start) makes every step appear once: JSONL drops its records of steps > S,
+TensorBoard opens its writer with ``purge_step=S+1`` so readers hide the orphaned events, and W&B needs
+nothing (every attempt is a run of its own).
 """
 
 from __future__ import annotations
@@ -10,7 +16,7 @@ import json
 import os
 import time
 from pathlib import Path
-from typing import Protocol
+from typing import BinaryIO, Protocol
 
 from traincore.config import TelemetryConfig
 
@@ -19,6 +25,8 @@ class MetricSink(Protocol):
     """Where rank 0 sends metrics; ``kind`` is "train" or "eval"."""
 
     def log(self, step: int, metrics: dict[str, float], kind: str = "train") -> None: ...
+
+    def resumed_at(self, step: int) -> None: ...
 
     def close(self) -> None: ...
 
@@ -41,28 +49,69 @@ class JsonlSink:
         self._file.write(json.dumps(record) + "\n")
         self._file.flush()
 
+    def resumed_at(self, step: int) -> None:
+        """Drop the records of steps after ``step`` (and a torn last line): the resumed run logs them again.
+
+        The file is rewritten only when something is dropped, atomically (a temporary sibling, fsync'd,
+        renamed over it), so a crash during the rewrite leaves either the old file or the new one. The lines
+        before the first dropped one are copied as they are, without parsing them twice.
+        """
+        self._file.close()
+        with open(self.path, "rb") as old:
+            kept_bytes = 0
+            for line in old:
+                if not (line.endswith(b"\n") and _keeps(line, step)):
+                    break
+                kept_bytes += len(line)
+            else:
+                kept_bytes = None  # nothing to drop
+            if kept_bytes is not None:
+                old.seek(0)
+                _replace_atomically(self.path, old, kept_bytes, step)
+        self._file = open(self.path, "a", encoding="utf-8")
+
     def close(self) -> None:
         """Close the file (idempotent)."""
         self._file.close()
 
 
 class TensorBoardSink:
-    """``<output>/tensorboard`` event files; scalars under ``train/...`` and ``eval/...``."""
+    """``<output>/tensorboard`` event files; scalars under ``train/...`` and ``eval/...``.
+
+    The writer (and its event file) opens at the first ``log``, so that a resume can still give it
+    ``purge_step``: it then starts with a session-start event at that step, and TensorBoard discards the
+    events of that step and later ones that came before it (the killed attempt's), in every earlier event
+    file of the directory. TensorBoard reads the first session start of a directory as the beginning and
+    only later ones as restarts, so a fresh run opens with one too (``resumed_at(0)``: ``purge_step=1``).
+    """
 
     def __init__(self, output_dir: str | Path, cfg: TelemetryConfig) -> None:
-        from torch.utils.tensorboard import SummaryWriter
+        from torch.utils.tensorboard import SummaryWriter  # here: a missing package fails before training
 
-        self._writer = SummaryWriter(str(Path(output_dir) / "tensorboard"), max_queue=cfg.tb_max_queue,
-                                     flush_secs=cfg.tb_flush_secs)
+        self._writer_class, self._cfg = SummaryWriter, cfg
+        self.directory = Path(output_dir) / "tensorboard"
+        self._writer = None
+        self._purge_step: int | None = None
 
     def log(self, step: int, metrics: dict[str, float], kind: str = "train") -> None:
         """Queue one scalar per metric; new_style writes the compact tensor-summary format."""
+        if self._writer is None:
+            self._writer = self._writer_class(str(self.directory), max_queue=self._cfg.tb_max_queue,
+                                              flush_secs=self._cfg.tb_flush_secs, purge_step=self._purge_step)
         for name, value in metrics.items():
             self._writer.add_scalar(f"{kind}/{name}", value, global_step=step, new_style=True)
 
+    def resumed_at(self, step: int) -> None:
+        """Hide the events of steps after ``step``: the next writer opens with ``purge_step=step + 1``."""
+        self._purge_step = step + 1
+        if self._writer is not None:  # something was logged before the resume: start a new event file
+            self._writer.close()
+            self._writer = None
+
     def close(self) -> None:
         """Flush and close the event file (idempotent)."""
-        self._writer.close()
+        if self._writer is not None:
+            self._writer.close()
 
 
 def resolve_wandb_key(mode: str) -> str | None:
@@ -110,11 +159,45 @@ class WandbSink:
         """Log ``kind/name`` scalars at ``step``."""
         self._run.log({f"{kind}/{name}": value for name, value in metrics.items()}, step=step)
 
+    def resumed_at(self, step: int) -> None:
+        """Nothing to drop: every attempt logs to a W&B run of its own, starting after ``step``."""
+
     def close(self) -> None:
         """Finish the run (idempotent)."""
         if not self._closed:
             self._closed = True
             self._run.finish()
+
+
+def _keeps(line: bytes, step: int) -> bool:
+    """Whether a metrics.jsonl line stays when a run resumes after ``step``: not torn nor of a later step."""
+    try:
+        record = json.loads(line)
+    except ValueError:  # torn by a crash mid-write (or not text at all)
+        return False
+    return not (isinstance(record, dict) and isinstance(record.get("step"), int) and record["step"] > step)
+
+
+def _replace_atomically(path: Path, old: BinaryIO, prefix: int, step: int) -> None:
+    """Rewrite ``path`` as the first ``prefix`` bytes of ``old`` and then its later lines that
+    :func:`_keeps`, through a temporary sibling that is fsync'd and renamed over ``path``."""
+    tmp = path.with_name(f".{path.name}.tmp")
+    with open(tmp, "wb") as new:
+        while prefix:
+            block = old.read(min(prefix, 1 << 20))
+            new.write(block)
+            prefix -= len(block)
+        for line in old:
+            if _keeps(line, step):
+                new.write(line if line.endswith(b"\n") else line + b"\n")
+        new.flush()
+        os.fsync(new.fileno())
+    os.replace(tmp, path)
+    directory = os.open(path.parent, os.O_RDONLY)
+    try:
+        os.fsync(directory)  # the rename itself
+    finally:
+        os.close(directory)
 
 
 def build_sinks(cfg: TelemetryConfig, output_dir: str | Path, run_config: dict) -> list[MetricSink]:

@@ -1,7 +1,10 @@
 """Staging: decode a source once, write it as size-capped uint8 shards, publish it atomically.
 
 Staging writes into a temporary sibling directory, writes the manifest last and renames the directory into
-place, so a partial staging is never visible. An existing staging of the same settings is reused.
+place, so a partial staging is never visible. Before writing, the estimated size is checked against the
+free space at the output; a full disk or an unwritable output mid-way leaves nothing behind and raises a
+StagingError naming the path. An existing staging of the same settings is verified (traincore.data) and
+reused, or, when a shard fails verification, staged again and swapped into place.
 
     python -m traincore.stage --source digits --output DIR [--image-size N] [--seed S]
 """
@@ -9,6 +12,8 @@ place, so a partial staging is never visible. An existing staging of the same se
 from __future__ import annotations
 
 import argparse
+import contextlib
+import errno
 import hashlib
 import logging
 import os
@@ -16,7 +21,6 @@ import shutil
 import sys
 import time
 import uuid
-from collections.abc import Iterator
 from dataclasses import asdict
 from pathlib import Path
 from typing import BinaryIO
@@ -24,15 +28,15 @@ from typing import BinaryIO
 import numpy as np
 
 from traincore.config import ConfigError, DataConfig, parse_source
-from traincore.data import MANIFEST, SPLITS, Manifest, ShardInfo, SplitInfo, StagingError
+from traincore.data import MANIFEST, SPLITS, Manifest, ShardInfo, SplitInfo, StagingError, verify_staging
 from traincore.imagefolder import imagefolder_source
-from traincore.sources import Chunk, digits_source, synthetic_source
+from traincore.sources import BAND, Source, digits_source, synthetic_source
 
 log = logging.getLogger(__name__)
 
 
-def source_chunks(cfg: DataConfig) -> tuple[list[str], Iterator[Chunk]]:
-    """Class names and the chunk stream for ``cfg.source``."""
+def source_chunks(cfg: DataConfig) -> Source:
+    """Class names, sample count and the chunk stream for ``cfg.source``."""
     kind, location = parse_source(cfg.source)
     if kind == "digits":
         return digits_source(cfg)
@@ -61,7 +65,7 @@ class _ShardWriter:
             take = min(self.per_shard - self._count, len(labels))
             parts = (images[:take], labels[:take])
             for data, handle, digest in zip(parts, self._files, self._hashes, strict=True):
-                buffer = np.ascontiguousarray(data).tobytes()
+                buffer = np.ascontiguousarray(data).reshape(-1).view(np.uint8)  # no copy of the chunk
                 handle.write(buffer)
                 digest.update(buffer)
             self._count += take
@@ -74,6 +78,13 @@ class _ShardWriter:
         if self._files:
             self._finish()
         return self.info
+
+    def discard(self) -> None:
+        """Close the open shard's files after a failure (the temporary directory is removed anyway)."""
+        for handle in self._files:
+            with contextlib.suppress(OSError):  # a full disk fails the final flush too
+                handle.close()
+        self._files = []
 
     def _names(self) -> tuple[str, str]:
         stem = f"{self.split}-{len(self.info.shards):05d}"
@@ -96,72 +107,155 @@ class _ShardWriter:
         self._files = []
 
 
-def _write_all(tmp: Path, cfg: DataConfig, classes: list[str], chunks: Iterator[Chunk]) -> Manifest:
+def _channel_moments(images: np.ndarray) -> tuple[list[int], list[int]]:
+    """Exact per-channel sums of pixel values and of their squares, in bands of at most BAND values."""
+    n, c = images.shape[:2]
+    flat = images.reshape(n, c, -1)
+    pixels = flat.shape[2]
+    per_band = max(1, BAND // pixels)
+    sums, squares = [0] * c, [0] * c
+    for channel in range(c):
+        for i in range(0, n, per_band):
+            for a in range(0, pixels, BAND):
+                values = flat[i:i + per_band, channel, a:a + BAND].astype(np.uint32)
+                sums[channel] += int(values.sum(dtype=np.uint64))
+                squares[channel] += int(np.square(values, out=values).sum(dtype=np.uint64))
+    return sums, squares
+
+
+def _write_all(tmp: Path, cfg: DataConfig, source: Source) -> Manifest:
     writers = {split: _ShardWriter(tmp, split, cfg.samples_per_shard) for split in SPLITS}
-    sums = np.zeros(cfg.channels, dtype=np.float64)
-    squares = np.zeros(cfg.channels, dtype=np.float64)
-    pixels = 0
-    for split, images, labels in chunks:
-        if split == "train":
-            scaled = images.astype(np.float64) / 255.0
-            sums += scaled.sum(axis=(0, 2, 3))
-            squares += (scaled ** 2).sum(axis=(0, 2, 3))
-            pixels += scaled.shape[0] * scaled.shape[2] * scaled.shape[3]
-        writers[split].write(images, labels)
-    mean = sums / max(pixels, 1)
-    std = np.sqrt(np.maximum(squares / max(pixels, 1) - mean ** 2, 1e-12))
-    return Manifest(source=cfg.source, classes=classes, shape=(cfg.channels, cfg.image_size, cfg.image_size),
+    sums, squares, pixels = [0] * cfg.channels, [0] * cfg.channels, 0
+    try:
+        for split, images, labels in source.chunks:
+            if split == "train":
+                chunk_sums, chunk_squares = _channel_moments(images)
+                sums = [a + b for a, b in zip(sums, chunk_sums, strict=True)]
+                squares = [a + b for a, b in zip(squares, chunk_squares, strict=True)]
+                pixels += images.shape[0] * images.shape[2] * images.shape[3]
+            writers[split].write(images, labels)
+        splits = {split: w.close() for split, w in writers.items()}
+    finally:
+        for writer in writers.values():
+            writer.discard()
+    mean = np.array(sums, dtype=np.float64) / (255.0 * max(pixels, 1))
+    second = np.array(squares, dtype=np.float64) / (255.0 ** 2 * max(pixels, 1))
+    std = np.sqrt(np.maximum(second - mean ** 2, 1e-12))
+    return Manifest(source=cfg.source, classes=source.classes,
+                    shape=(cfg.channels, cfg.image_size, cfg.image_size),
                     mean=[round(float(m), 6) for m in mean], std=[round(float(s), 6) for s in std],
-                    seed=cfg.seed, splits={split: w.close() for split, w in writers.items()},
-                    config=staging_key(cfg))
+                    seed=cfg.seed, splits=splits, config=staging_key(cfg))
 
 
-def stage(cfg: DataConfig, output: str | Path, overwrite: bool = False) -> Manifest:
+def stage(cfg: DataConfig, output: str | Path, overwrite: bool = False, *,
+          replace_unusable: bool = False) -> Manifest:
     """Stage ``cfg.source`` into ``output`` atomically and return its manifest.
 
-    An existing complete staging of the same source, size and seed is reused; anything else already at
-    ``output`` is an error unless ``overwrite`` is set.
+    An existing complete staging of the same source, size and seed is verified and reused; if one of its
+    shards fails verification it is staged again and swapped into place (with a warning naming the file).
+    Anything else already at ``output`` is an error unless ``overwrite`` is set, or ``replace_unusable``
+    (for callers that own ``output``, such as the stage task's cache directory): then an unreadable or
+    different staging there is replaced.
     """
     output = Path(output)
     if output.exists() and not overwrite:
-        existing = _reusable(output, cfg)
+        existing = _reusable(output, cfg, replace_unusable)
         if existing is not None:
             log.info("already staged at %s (%s); reusing it", output, summary(existing))
             return existing
-        raise StagingError(f"{output} already exists and is not a staging of {cfg.source!r} with "
-                           "these settings: choose another --output or pass --overwrite")
-    output.parent.mkdir(parents=True, exist_ok=True)
+    source = source_chunks(cfg)
     tmp = output.parent / f".{output.name}.staging-{uuid.uuid4().hex[:8]}"
-    tmp.mkdir()
     try:
-        classes, chunks = source_chunks(cfg)
-        manifest = _write_all(tmp, cfg, classes, chunks)
+        output.parent.mkdir(parents=True, exist_ok=True)
+        check_free_space(output, estimated_bytes(cfg, source.count))
+        tmp.mkdir()
+    except OSError as exc:
+        raise _os_error(exc, output, tmp, setup=True) from exc
+    try:
+        manifest = _write_all(tmp, cfg, source)
         _publish(tmp, output, manifest)
-    except BaseException:
+    except BaseException as exc:
         shutil.rmtree(tmp, ignore_errors=True)
+        if isinstance(exc, OSError) and exc.errno in _WRITE_ERRNOS:
+            raise _os_error(exc, output, tmp) from exc
         raise
     log.info("staged %s", summary(manifest))
     return manifest
 
 
+_NO_SPACE = {errno.ENOSPC, errno.EDQUOT, errno.EFBIG}
+_WRITE_ERRNOS = _NO_SPACE | {errno.EROFS, errno.EACCES, errno.EPERM}
+
+
+def _os_error(exc: OSError, output: Path, tmp: Path, setup: bool = False) -> Exception:
+    """A failure to create or write the staging as a StagingError naming the path and the fix; other OS
+    errors while writing (none expected) pass unchanged."""
+    where = exc.filename or tmp
+    if exc.errno in _NO_SPACE:
+        return StagingError(f"no space left to stage into {output} (writing {where}: {exc.strerror}); "
+                            "nothing was published and the partial staging was removed: free space on that "
+                            "disk or choose another --output")
+    if setup or exc.errno in (errno.EROFS, errno.EACCES, errno.EPERM):
+        return StagingError(f"cannot write the staging {output}: {exc.strerror} ({where}): choose a "
+                            "writable --output or fix the directory's permissions")
+    return exc
+
+
+def estimated_bytes(cfg: DataConfig, count: int) -> int:
+    """Bytes a staging of ``count`` samples writes: pixels and labels, plus a block per shard file."""
+    shards = -(-count // cfg.samples_per_shard) + len(SPLITS)
+    return count * (cfg.channels * cfg.image_size ** 2 + 8) + shards * 2 * 4096 + (64 << 10)
+
+
+def check_free_space(output: Path, needed: int) -> None:
+    """Refuse up front when the disk holding ``output`` has less free space than the staging needs."""
+    free = shutil.disk_usage(output.parent).free
+    if needed > free:
+        raise StagingError(f"not enough space to stage into {output}: the staging needs about "
+                           f"{needed / 2**20:,.1f} MiB but {output.parent} has {free / 2**20:,.1f} MiB free; "
+                           "free space, choose another --output, or lower data.image_size or the sample "
+                           "count")
+
+
 def _publish(tmp: Path, output: Path, manifest: Manifest) -> None:
     """Write the manifest last, then rename the directory into place (atomic on one filesystem)."""
-    (tmp / MANIFEST).write_text(manifest.to_json())
+    with open(tmp / MANIFEST, "w") as handle:
+        handle.write(manifest.to_json())
+        handle.flush()
+        os.fsync(handle.fileno())
     if output.exists():
         old = output.parent / f".{output.name}.old-{uuid.uuid4().hex[:8]}"
         output.rename(old)
         tmp.rename(output)
-        shutil.rmtree(old, ignore_errors=True)
+        if old.is_dir() and not old.is_symlink():
+            shutil.rmtree(old, ignore_errors=True)
+        else:  # a file or link the caller let this staging replace
+            old.unlink()
     else:
         tmp.rename(output)
 
 
-def _reusable(output: Path, cfg: DataConfig) -> Manifest | None:
+def _reusable(output: Path, cfg: DataConfig, replace_unusable: bool) -> Manifest | None:
+    """The verified staging of ``cfg`` at ``output``, or None to stage again; raises when ``output`` holds
+    something else that only ``overwrite`` (or ``replace_unusable``) may replace."""
     try:
         manifest = Manifest.load(output)
-    except (StagingError, ValueError, KeyError, TypeError):
+        problem = (None if manifest.config == staging_key(cfg) else
+                   f"is not a staging of {cfg.source!r} with these settings")
+    except StagingError as exc:
+        manifest, problem = None, f"is not a usable staging ({exc})"
+    if problem is not None:
+        if not replace_unusable:
+            raise StagingError(f"{output} already exists and {problem}: choose another --output or pass "
+                               "--overwrite")
+        log.warning("%s %s; staging it again in its place", output, problem)
         return None
-    return manifest if manifest.config == staging_key(cfg) else None
+    try:
+        verify_staging(output, manifest)
+    except StagingError as exc:
+        log.warning("the staging at %s fails verification, staging it again in its place: %s", output, exc)
+        return None
+    return manifest
 
 
 def staging_key(cfg: DataConfig) -> dict:
@@ -179,7 +273,7 @@ def summary(manifest: Manifest) -> str:
 
 
 def directory_bytes(directory: str | Path) -> int:
-    """Total size of the files in a staged directory."""
+    """Total size of the files in a staged directory (the verification record included)."""
     return sum(p.stat().st_size for p in Path(directory).iterdir() if p.is_file())
 
 
@@ -209,7 +303,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """CLI: stage and print one summary line; exit code 2 for a bad source or settings."""
+    """CLI: stage and print one summary line; exit code 2 (one ``error:`` line, no traceback) for a bad
+    source or settings, too little disk space, or an output that cannot be written."""
     args = parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
@@ -221,6 +316,9 @@ def main(argv: list[str] | None = None) -> int:
         manifest = stage(cfg, args.output, overwrite=args.overwrite)
     except (ConfigError, StagingError) as exc:
         print(f"error: {exc}", file=sys.stderr)
+        return 2
+    except OSError as exc:  # anything stage() could not name better: still one line, no traceback
+        print(f"error: {exc.strerror or exc}: {exc.filename or args.output}", file=sys.stderr)
         return 2
     size, seconds = directory_bytes(args.output) / 2**20, time.perf_counter() - start
     print(f"staged {summary(manifest)} -> {args.output} ({size:.1f} MiB, {seconds:.1f} s)")

@@ -236,6 +236,18 @@ class Telemetry:
         self._wall_before = float(state.pop("wall_s", 0.0))
         self._totals.load_state_dict(state)
 
+    def resumed_at(self, step: int) -> None:
+        """The run continues after ``step`` (0: it starts fresh); call once, before the first ``step_done``.
+
+        An earlier attempt in this output directory may have logged steps after its last checkpoint; they
+        are trained again now, so every sink forgets them (metrics.jsonl drops their records, TensorBoard
+        purges their events) and each step is reported once. Rank 0 only; a no-op elsewhere.
+        """
+        for sink in self._sinks:
+            sink.resumed_at(step)
+        if self._bar is not None:
+            self._bar.update(step)
+
     def close(self) -> None:
         """Stop the progress bar and flush and close every sink; idempotent and never raises."""
         if self._closed:

@@ -12,10 +12,12 @@ from __future__ import annotations
 
 import argparse
 import gc
-import json
 import logging
 import os
+import pickle
 import sys
+import tempfile
+import time
 from collections.abc import Iterator
 from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass
@@ -26,9 +28,11 @@ from torch import nn
 
 from traincore.autotune import autotune
 from traincore.checkpoint import Checkpointer
-from traincore.config import Config, ConfigError
-from traincore.data import Manifest, StagingError
-from traincore.dist import distributed, tighten_timeout
+from traincore.checkpoint_files import CheckpointError, complete_steps, read_marker, step_dir
+from traincore.checkpoint_format import open_saved
+from traincore.config import Config, ConfigError, ModelConfig
+from traincore.data import Manifest, StagingError, verify_staging
+from traincore.dist import distributed, explain_timeouts, resolve_backend, tighten_timeout
 from traincore.loader import StagedLoader, StagedSplit
 from traincore.metrics import training_flops_per_sample
 from traincore.models import build_model, parameter_count
@@ -68,9 +72,19 @@ def gc_paused() -> Iterator[None]:
         gc.enable()
 
 
-def preflight(cfg: Config, data_dir: str | Path) -> Manifest:
-    """Check the config against the staged data before any process group starts; returns the manifest."""
-    manifest = Manifest.load(data_dir)
+def preflight(cfg: Config, data_dir: str | Path, output_dir: str | Path | None = None,
+              checkpoint_dir: str | Path | None = None) -> Manifest:
+    """Check the config against the staged data before any process group starts; returns the manifest.
+
+    Also, so that nothing fails only once training has begun: the process-group backend against this
+    machine, the model against the staged sample shape (on the meta device: no memory, no compute) and,
+    when given, the output directory and the checkpoint root (created if missing, probed with a file), and
+    the checkpoint a resume would load (its step exists, its model and data match this run's).
+
+    The splits a run reads are verified here (traincore.data.verify_staging: labels every time, image
+    shards hashed once per staging), so a corrupt staging fails with a StagingError naming the file.
+    """
+    manifest = verify_staging(data_dir, Manifest.load(data_dir), ("train", "val"))
     train_count = manifest.splits["train"].count
     if cfg.loader.drop_last and train_count < cfg.loader.batch_size:
         raise ValueError(f"loader.batch_size={cfg.loader.batch_size} exceeds the {train_count} training "
@@ -79,7 +93,107 @@ def preflight(cfg: Config, data_dir: str | Path) -> Manifest:
     if cfg.model.name == "vit_b_16" and manifest.shape[1] % 16:
         raise ValueError(f"model.name='vit_b_16' needs an image size divisible by 16; {data_dir} is staged "
                          f"at {manifest.shape[1]}: stage again with a multiple of 16")
+    resolve_backend(cfg.dist, torch.cuda.is_available())  # nccl without CUDA fails here, not in a worker
+    check_model_input(cfg.model, manifest.num_classes, manifest.shape, f"the data in {data_dir}",
+                      cfg.loader.batch_size)
+    if output_dir is not None:
+        output_dir = Path(output_dir)
+        ensure_writable_dir(output_dir, "output directory", "--output")
+        root = Path(checkpoint_dir) if checkpoint_dir else output_dir / "checkpoints"
+        ensure_writable_dir(root, "checkpoint directory", "--checkpoint-dir or checkpoint_uri")
+        check_resume(cfg, manifest, root, data_dir)
     return manifest
+
+
+class OutputError(ValueError):
+    """An output location cannot be written; the message names it and the fix."""
+
+
+def ensure_writable_dir(path: str | Path, what: str, option: str) -> Path:
+    """``path`` as a directory this process can write: created if missing, then proven with a probe file
+    (created and removed; permission bits alone do not tell, e.g. for root or on a read-only mount).
+    OutputError names ``what`` (``"output directory"``), the path and the ``option`` that sets it."""
+    path = Path(path)
+    fix = f"set {option} to a directory you can write to"
+    if path.exists() and not path.is_dir():
+        raise OutputError(f"{what} {path} is a file, not a directory: {fix}")
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise OutputError(f"{what} {path} cannot be created ({exc.strerror or exc}): {fix}") from exc
+    try:
+        handle, probe = tempfile.mkstemp(prefix=".write-probe-", dir=path)
+        os.close(handle)
+        os.unlink(probe)
+    except OSError as exc:
+        raise OutputError(f"{what} {path} is not writable ({exc.strerror or exc}): {fix}") from exc
+    return path
+
+
+def check_model_input(model: ModelConfig, num_classes: int, shape: tuple[int, ...] | list[int], data: str,
+                      batch_size: int = 2) -> None:
+    """ValueError unless ``model`` builds for ``shape`` (C, H, W) samples, trains on batches of
+    ``batch_size`` and maps them to ``num_classes`` logits. Runs on the meta device: no weights are
+    allocated and nothing is computed."""
+    shape = tuple(shape)
+    try:
+        with torch.device("meta"):
+            built = build_model(model, num_classes, shape)
+            built.train()(torch.empty(batch_size, *shape))  # BatchNorm needs > 1 value per channel
+            logits = built.eval()(torch.empty(2, *shape))
+    except (RuntimeError, ValueError) as exc:
+        reason = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise ValueError(f"model.name={model.name!r} cannot take {data}: samples of shape {shape} in "
+                         f"batches of {batch_size} ({reason}); stage the data with a larger "
+                         "data.image_size, raise loader.batch_size, or choose another model.name") from exc
+    if tuple(logits.shape) != (2, num_classes):
+        raise ValueError(f"model.name={model.name!r} maps {data} to logits of shape "
+                         f"{tuple(logits.shape)[1:]}, not ({num_classes},): choose another model.name")
+
+
+def _classes(classes: list[str]) -> str:
+    shown = ", ".join(map(str, classes[:5])) + (", ..." if len(classes) > 5 else "")
+    return f"{len(classes)} classes ({shown})"
+
+
+def check_resume(cfg: Config, manifest: Manifest, root: Path, data_dir: str | Path) -> None:
+    """Refuse, before training, a resume the checkpointer would refuse once the workers run: a step that has
+    no complete checkpoint, a checkpoint in a format this code cannot read, or one of another model or of
+    data with other classes or another sample shape. A checkpoint whose files cannot be read is left to
+    the checkpointer, which verifies it and falls back to the previous complete one."""
+    wanted = cfg.checkpoint.resume
+    if wanted == "none":
+        return
+    steps = complete_steps(root)
+    fresh = "or start fresh with --resume none / checkpoint.resume='none' or another checkpoint directory"
+    if wanted != "latest" and int(wanted) not in steps:
+        raise CheckpointError(f"checkpoint.resume={wanted!r} (--resume): {root} holds no complete checkpoint "
+                              f"for step {int(wanted)} (complete steps: {steps or 'none'}): resume from one "
+                              f"of those or 'latest', {fresh}")
+    if not steps:
+        return
+    directory = step_dir(root, steps[-1] if wanted == "latest" else int(wanted))
+    marker = read_marker(directory)  # CheckpointError naming the directory for a foreign or unknown format
+    try:
+        meta = open_saved(directory, marker).shared.get("run", {})
+        saved_model = meta.get("config", {}).get("model", {})
+        saved_classes, saved_shape = meta.get("classes"), meta.get("shape")
+    except (OSError, RuntimeError, ValueError, KeyError, TypeError, AttributeError, EOFError,
+            pickle.UnpicklingError):  # damaged files: the checkpointer verifies them and falls back
+        return
+    ours = {"name": cfg.model.name}
+    if cfg.model.name in ("small_cnn", "mlp"):  # the torchvision models ignore width
+        ours["width"] = cfg.model.width
+    theirs = {key: saved_model.get(key) for key in ours}
+    if saved_model and theirs != ours:
+        raise CheckpointError(f"checkpoint {directory} was written by a run of model {theirs}, this run "
+                              f"builds {ours}: use that run's model config, {fresh}")
+    if (saved_classes is not None and list(saved_classes) != list(manifest.classes)) or (
+            saved_shape is not None and list(saved_shape) != list(manifest.shape)):
+        raise CheckpointError(
+            f"checkpoint {directory} was trained on data of {_classes(list(saved_classes or []))} and shape "
+            f"{tuple(saved_shape or ())}, but {data_dir} holds {_classes(list(manifest.classes))} of shape "
+            f"{tuple(manifest.shape)}: train on data staged as that run's was, {fresh}")
 
 
 class Trainer:
@@ -89,7 +203,7 @@ class Trainer:
                  checkpoint_dir: str | Path | None = None):
         self.cfg, self.data_dir, self.output = cfg, Path(data_dir), Path(output_dir)
         self.checkpoint_root = Path(checkpoint_dir) if checkpoint_dir else self.output / "checkpoints"
-        self.manifest = preflight(cfg, data_dir)
+        self.manifest = preflight(cfg, data_dir, self.output, self.checkpoint_root)
         self.progress = Progress()
 
     def train(self) -> TrainSummary:
@@ -104,8 +218,10 @@ class Trainer:
             self.open_parts(stack)
             resumed = self.resume()
             stack.enter_context(gc_paused())
-            self.run_steps()
-            val = validate(self.model, self.val_split, self.cfg.loader.eval_batch_size, self.ctx)
+            # A peer that hangs surfaces as gloo's bare "Timed out waiting ...": say what timed out and why.
+            with explain_timeouts(self.cfg.dist, self.ctx.rank, lambda: self.progress.step):
+                self.run_steps()
+                val = validate(self.model, self.val_split, self.cfg.loader.eval_batch_size, self.ctx)
             self.telemetry.log_eval(self.progress.step, val)
             return self.summary(resumed, val["accuracy"])
 
@@ -165,11 +281,16 @@ class Trainer:
         self.registry.register("telemetry", self.telemetry)
 
     def resume(self) -> int | None:
-        """Restore the latest (or the requested) checkpoint, if any; returns its step."""
+        """Restore the latest (or the requested) checkpoint, if any; returns its step.
+
+        Telemetry learns the step the run continues from (0 when fresh): metrics an earlier attempt logged
+        after it are dropped from metrics.jsonl and purged from TensorBoard, so each step appears once.
+        """
         wanted = self.cfg.checkpoint.resume
         resumed = None
         if wanted != "none":
             resumed = self.checkpointer.load(None if wanted == "latest" else int(wanted))
+        self.telemetry.resumed_at(resumed or 0)
         log.info("training %s (%s parameters) on %s for %d steps, %d per epoch, global batch %d%s",
                  self.cfg.model.name, f"{parameter_count(self.model):,}", self.ctx.device, self.total_steps,
                  self.loader.steps_per_epoch, self.loader.global_batch_size,
@@ -232,19 +353,39 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return parser.parse_args(argv)
 
 
+_FLAGS = {"train.max_steps": "--max-steps", "train.epochs": "--epochs",
+          "checkpoint.every": "--checkpoint-every", "checkpoint.mode": "--checkpoint-mode",
+          "checkpoint.resume": "--resume", "train.seed": "--seed"}
+
+
 def build_config(args: argparse.Namespace) -> Config:
-    """Preset, then --config overrides, then the explicit flags."""
+    """Preset, then --config overrides, then the explicit flags; ConfigError names the flag at fault."""
     cfg = preset(args.preset)
     if args.config:
-        text = Path(args.config).read_text() if args.config.endswith(".json") else args.config
-        cfg = cfg.with_overrides(text)
+        text = args.config
+        if text.strip().endswith(".json"):
+            try:
+                text = Path(text.strip()).read_text()
+            except (OSError, UnicodeDecodeError) as exc:
+                reason = exc.strerror if isinstance(exc, OSError) else "not UTF-8 text"
+                raise ConfigError(f"--config {args.config}: cannot read the file ({reason}): pass an "
+                                  "existing .json file or the JSON itself, e.g. "
+                                  '\'{"optim": {"lr": 0.01}}\'') from exc
+        try:
+            cfg = cfg.with_overrides(text)
+        except ConfigError as exc:
+            raise ConfigError(f"--config: {exc}") from exc
     flags = {
         "train.max_steps": args.max_steps, "checkpoint.every": args.checkpoint_every,
         "checkpoint.mode": args.checkpoint_mode, "checkpoint.resume": args.resume, "train.seed": args.seed,
     }
     if args.epochs is not None:
         flags.update({"train.epochs": args.epochs, "train.max_steps": 0})
-    return cfg.with_overrides({key: value for key, value in flags.items() if value is not None})
+    try:
+        return cfg.with_overrides({key: value for key, value in flags.items() if value is not None})
+    except ConfigError as exc:
+        flag = next((flag for field, flag in _FLAGS.items() if str(exc).startswith(f"{field}=")), None)
+        raise (ConfigError(f"{flag}: {exc}") if flag else exc) from exc
 
 
 def format_summary(summary: TrainSummary) -> str:
@@ -260,16 +401,44 @@ def format_summary(summary: TrainSummary) -> str:
             f"checkpoints in {summary.checkpoint_dir}")
 
 
+USAGE_ERRORS = (ConfigError, StagingError, CheckpointError, ValueError, OSError)
+"""What the CLI reports as one ``error:`` line and exit code 2: bad input, whether preflight finds it or
+(a checkpoint that does not fit, an output that cannot be written) the run itself."""
+
+
+RANK_ERROR_GRACE_S = 10.0
+"""How long a rank other than 0 waits, after an error, for rank 0 to fail too (torchrun then stops it)."""
+
+
+def _launch_rank() -> int:
+    try:
+        return int(os.environ.get("RANK", "0"))
+    except ValueError:
+        return 0
+
+
+def _report(exc: BaseException, rank: int) -> None:
+    """Print ``error: ...`` once for the whole job, not once per rank.
+
+    Every rank runs every check and fails alike, so rank 0 prints at once. Another rank waits a little
+    first: when rank 0 fails too, torchrun stops this rank meanwhile (rank 0 is then also the root cause
+    its failure box names); only an error that rank 0 does not share is still printed, by this rank.
+    """
+    if rank != 0:
+        time.sleep(RANK_ERROR_GRACE_S)
+    print(f"error: {exc}" if rank == 0 else f"error (rank {rank}): {exc}", file=sys.stderr, flush=True)
+
+
 def main(argv: list[str] | None = None) -> int:
-    """CLI: exit code 2 for bad input, found before any process group starts."""
+    """CLI: exit code 2 and one ``error:`` line for bad input, found before any process group starts where
+    possible; no traceback. Under torchrun, the line is printed once (see :func:`_report`)."""
     args = parse_args(argv)
     try:
-        trainer = Trainer(build_config(args), args.data, args.output, args.checkpoint_dir)
-    except (ConfigError, StagingError, ValueError, json.JSONDecodeError, OSError) as exc:
-        print(f"error: {exc}", file=sys.stderr)
+        summary = Trainer(build_config(args), args.data, args.output, args.checkpoint_dir).train()
+    except USAGE_ERRORS as exc:
+        _report(exc, _launch_rank())
         return 2
-    summary = trainer.train()
-    if int(os.environ.get("RANK", 0)) == 0:
+    if _launch_rank() == 0:
         print(format_summary(summary), flush=True)
     return 0
 

@@ -3,11 +3,14 @@
 from __future__ import annotations
 
 import pytest
+import torch
 
 from tasks.plan import (
     LaunchInputError,
     build_config,
+    check_backend,
     check_checkpoint_root,
+    check_checkpoint_uri,
     check_source,
     check_topology,
     plan_run,
@@ -96,3 +99,50 @@ def test_plan_task_runs_locally_and_rejects_multi_node():
     assert plan.topology == Topology(nproc_per_node=1, rdzv_timeout_s=plan.config.dist.init_timeout_s)
     with pytest.raises(Exception, match="needs a Flyte cluster"):
         plan_run(**PLAN_DEFAULTS | dict(backend="kubernetes", nnodes=2))
+
+
+@pytest.mark.parametrize("overrides, message", [
+    ('{"model": {"name": "vit_b_16"}, "data": {"image_size": 12}}', r"model.name='vit_b_16' cannot take "
+     r"data.image_size=12, data.channels=1.*multiple of 16"),
+    ('{"data": {"image_size": 3}}', r"model.name='small_cnn' cannot take data.image_size=3.*Output size is "
+     r"too small.*stage the data with a larger data.image_size"),
+    ('{"checkpoint": {"mode": "async"}, "dist": {"backend": "nccl"}}',
+     r"input config_overrides: checkpoint.mode='async' with dist.backend='nccl'"),
+    ('{"train": {"epochs": "4"}}', r"input config_overrides: train.epochs='4' is invalid: expected an "
+     "integer"),
+])
+def test_config_that_cannot_run_is_refused_in_the_plan(overrides, message):
+    with pytest.raises(LaunchInputError, match=message):
+        plan_run(**PLAN_DEFAULTS | dict(config_overrides=overrides))
+
+
+def test_nccl_needs_gpus(monkeypatch):
+    nccl = preset("digits").with_overrides({"dist.backend": "nccl"})
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with pytest.raises(LaunchInputError, match=r"dist.backend='nccl' needs GPUs, but this machine has no"):
+        check_backend(nccl, Topology(), local_run=True)
+    with pytest.raises(LaunchInputError, match=r"gpus_per_node=0 gives the pods no GPU.*request GPUs"):
+        check_backend(nccl, Topology(backend="kubernetes"), local_run=False)
+    check_backend(nccl, Topology(backend="kubernetes", gpus_per_node=2, nproc_per_node=2), local_run=False)
+    check_backend(preset("digits"), Topology(), local_run=True)  # auto: gloo without CUDA
+
+
+def test_checkpoint_uri_is_checked_before_anything_runs(tmp_path):
+    (tmp_path / "file").write_text("x")
+    with pytest.raises(LaunchInputError, match=r"input checkpoint_uri='.*file': checkpoint directory .* is a "
+                                               "file, not a directory: set checkpoint_uri to a directory"):
+        check_checkpoint_uri(str(tmp_path / "file"), local_run=True)
+    with pytest.raises(LaunchInputError, match=r"cannot be created \(Not a directory\)"):
+        check_checkpoint_uri(f"file://{tmp_path}/file/sub", local_run=True)
+    with pytest.raises(LaunchInputError, match=r"input checkpoint_uri='nfs4://host/x'.* unknown scheme nfs4://"):
+        check_checkpoint_uri("nfs4://host/x", local_run=True)
+    check_checkpoint_uri(str(tmp_path / "new" / "root"), local_run=True)  # created, proven writable
+    assert (tmp_path / "new" / "root").is_dir() and not any((tmp_path / "new" / "root").iterdir())
+    check_checkpoint_uri("s3://bucket/run", local_run=True)  # a known scheme: nothing is contacted
+    check_checkpoint_uri(str(tmp_path / "file"), local_run=False)  # a cluster's plan pod need not mount it
+
+
+def test_unknown_uri_scheme_of_the_source_is_named():
+    with pytest.raises(LaunchInputError, match=r"input source='imagefolder:htps://x/y': 'htps://x/y' has the "
+                                               "unknown scheme htps://"):
+        check_source("imagefolder:htps://x/y")

@@ -2,16 +2,20 @@
 
 from __future__ import annotations
 
+import json
+import signal
+
 import flytekit
 import pytest
-from flytekit.exceptions.user import FlyteRecoverableException
+from flytekit.exceptions.user import FlyteRecoverableException, FlyteUserRuntimeException
 from flytekit.tools.module_loader import load_object_from_module
 from flytekitplugins.kfpytorch.task import PytorchElasticFunctionTask
 from torch.distributed import DistNetworkError
+from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ProcessFailure
 from torch.distributed.elastic.rendezvous.api import RendezvousTimeoutError
 
 import tasks.train as train_module
-from tasks.train import ElasticTrainTask, train_task, train_task_for
+from tasks.train import ElasticTrainTask, train_task, train_task_for, vanished_workers
 from tasks.types import StagedDataset, Topology
 from traincore.config import ConfigError
 from traincore.data import Manifest
@@ -107,3 +111,53 @@ def test_mounted_wandb_secret_reaches_validation_and_workers(tmp_path, monkeypat
         resolve_wandb_key("online")
     _use_wandb_secret(preset("digits").with_overrides({"telemetry.wandb_mode": "online"}))
     assert resolve_wandb_key("online") == "k3y-from-the-mounted-secret"
+
+
+def group_failure(exitcode: int, error_file: str = "<N/A>") -> ChildFailedError:
+    """What torch-elastic raises when local rank 1 of a worker group ended with ``exitcode``."""
+    failure = ProcessFailure(local_rank=1, pid=4242, exitcode=exitcode, error_file=error_file)
+    return ChildFailedError("spawn_helper", {1: failure})
+
+
+@pytest.mark.parametrize("exitcode, vanished", [
+    (-signal.SIGKILL, ["rank 1 (SIGKILL, pid 4242)"]),  # OOM killer, lost node
+    (-signal.SIGTERM, ["rank 1 (SIGTERM, pid 4242)"]),  # eviction, preemption
+    (-signal.SIGABRT, ["rank 1 (SIGABRT, pid 4242)"]),  # NCCL's watchdog on a collective a lost peer left
+    (-signal.SIGSEGV, []),  # the worker's own crash
+    (1, []),  # an exception
+])
+def test_workers_ended_by_a_signal_from_outside_count_as_vanished(exitcode, vanished):
+    assert vanished_workers(group_failure(exitcode)) == vanished
+
+
+def test_a_worker_that_wrote_its_error_did_not_vanish(tmp_path):
+    error_file = tmp_path / "error.json"
+    error_file.write_text(json.dumps({"message": {"message": "ValueError: bad", "extraInfo": {
+        "py_callstack": "", "timestamp": "1"}}}))
+    assert vanished_workers(group_failure(-signal.SIGKILL, str(error_file))) == []
+
+
+def launch_failing_with(error: ChildFailedError):
+    """A stand-in for the plugin's launch: it classifies ``error`` as flytekitplugins-kfpytorch 1.16 does
+    for a worker that left no recoverable marker (a user error)."""
+
+    def launch(self, **kwargs):
+        raise FlyteUserRuntimeException(error)
+
+    return launch
+
+
+def test_lost_worker_makes_the_task_recoverable(monkeypatch, dataset, tmp_path):
+    monkeypatch.setattr(PytorchElasticFunctionTask, "execute",
+                        launch_failing_with(group_failure(-signal.SIGKILL)))
+    with pytest.raises(FlyteRecoverableException, match=r"rank 1 \(SIGKILL, pid 4242\) was killed") as caught:
+        train_task.execute(config=preset("debug"), dataset=dataset, checkpoint_root=str(tmp_path))
+    assert isinstance(caught.value.__cause__, FlyteUserRuntimeException)
+
+
+def test_crashed_worker_stays_a_user_error(monkeypatch, dataset, tmp_path):
+    monkeypatch.setattr(PytorchElasticFunctionTask, "execute",
+                        launch_failing_with(group_failure(-signal.SIGSEGV)))
+    with pytest.raises(FlyteUserRuntimeException) as caught:
+        train_task.execute(config=preset("debug"), dataset=dataset, checkpoint_root=str(tmp_path))
+    assert not isinstance(caught.value, FlyteRecoverableException)

@@ -11,9 +11,9 @@ import numpy as np
 import pytest
 
 from traincore.config import DataConfig
-from traincore.data import SPLITS, Manifest, StagingError
+from traincore.data import SPLITS, VERIFIED, Manifest, StagingError
 from traincore.loader import StagedSplit
-from traincore.sources import split_counts
+from traincore.sources import Source, split_counts
 from traincore.stage import stage
 
 
@@ -92,11 +92,34 @@ def test_same_seed_same_bytes_other_seed_differs(source, synthetic_config, tmp_p
     assert set(shard_hashes(first)).isdisjoint(shard_hashes(other))
 
 
+@pytest.mark.parametrize("source", ["synthetic", "digits"])
+def test_byte_sized_chunks_do_not_change_the_staged_bytes(source, synthetic_config, tmp_path, monkeypatch):
+    """Chunks, resize groups and arithmetic bands are sized in bytes; their size must not show in the data."""
+    import traincore.sources
+    import traincore.stage
+
+    cfg = dataclasses.replace(synthetic_config, source=source)
+    reference = stage(cfg, tmp_path / "default")
+    assert traincore.sources.chunk_images(cfg.channels * cfg.image_size ** 2, 1024) > 100  # one chunk
+    # Tiny budgets so every bounded-memory path runs: synthetic, 2 images per chunk and templates made on
+    # demand; digits, 32 images per chunk resized in groups of 24 planes; bands of 50 values (less than one
+    # 3x8x8 image).
+    monkeypatch.setattr(traincore.sources, "CHUNK_BYTES", (2 if source == "synthetic" else 32) * 192)
+    monkeypatch.setattr(traincore.sources, "BAND", 50)
+    monkeypatch.setattr(traincore.stage, "BAND", 50)
+    small = stage(cfg, tmp_path / "small")
+    assert shard_hashes(small) == shard_hashes(reference)
+    assert (small.mean, small.std) == (reference.mean, reference.std)
+
+
 def test_second_stage_reuses(synthetic_dir, synthetic_config):
-    before = {p.name: p.stat().st_mtime_ns for p in synthetic_dir.iterdir()}
+    def staged_files() -> dict[str, int]:  # the verification record may be written by the reuse's check
+        return {p.name: p.stat().st_mtime_ns for p in synthetic_dir.iterdir() if p.name != VERIFIED}
+
+    before = staged_files()
     manifest = stage(dataclasses.replace(synthetic_config, decode_workers=3), synthetic_dir)
     assert manifest == Manifest.load(synthetic_dir)
-    assert {p.name: p.stat().st_mtime_ns for p in synthetic_dir.iterdir()} == before
+    assert staged_files() == before
 
 
 def test_different_config_at_same_output_needs_overwrite(synthetic_config, tmp_path):
@@ -126,7 +149,7 @@ def test_failing_source_leaves_nothing(synthetic_config, tmp_path, monkeypatch):
         def chunks():
             yield "train", np.zeros((4, 3, 8, 8), np.uint8), np.zeros(4, np.int64)
             raise OSError("source went away")
-        return ["a", "b"], chunks()
+        return Source(["a", "b"], 100, chunks())
 
     monkeypatch.setattr(traincore.stage, "synthetic_source", failing)
     with pytest.raises(OSError, match="source went away"):
@@ -167,13 +190,15 @@ def test_missing_shard_fails_on_open(damaged_copy):
 
 
 def test_flipped_byte_fails_hash_check(damaged_copy):
+    split = StagedSplit(damaged_copy, "train")  # verified and recorded while intact
     path = damaged_copy / "train-00002.u8"
     data = bytearray(path.read_bytes())
     data[100] ^= 0xFF
-    path.write_bytes(bytes(data))
-    split = StagedSplit(damaged_copy, "train")  # same size: opening alone cannot tell
+    path.write_bytes(bytes(data))  # same size: only the hash can tell
     with pytest.raises(StagingError, match="train-00002.u8 fails its sha256 check"):
         split.verify()
+    with pytest.raises(StagingError, match="train-00002.u8 fails its sha256 check.*stage it again"):
+        StagedSplit(damaged_copy, "train")  # the file changed since it was recorded: hashed again on open
     with pytest.raises(StagingError, match="sha256"):
         StagedSplit(damaged_copy, "train", verify_hashes=True)
     StagedSplit(damaged_copy, "val", verify_hashes=True)  # the untouched split still verifies

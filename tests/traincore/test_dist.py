@@ -10,6 +10,7 @@ import json
 import os
 import socket
 import time
+from datetime import timedelta
 from pathlib import Path
 
 import pytest
@@ -17,10 +18,13 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from traincore.config import DistConfig
+from traincore.config import CheckpointConfig, DistConfig
 from traincore.dist import (
+    CollectiveTimeoutError,
     all_reduce_sum,
+    attempt_store,
     distributed,
+    explain_timeouts,
     launch_env,
     pick_device,
     resolve_backend,
@@ -179,3 +183,105 @@ def test_pick_device_wraps_local_rank_onto_the_gpus():
     assert device == torch.device("cuda", 1 % count)
     assert torch.cuda.current_device() == device.index
     torch.cuda.set_device(0)
+
+
+# ---- torch elastic's agent store: one key namespace per restart attempt ------------------------------------
+
+@pytest.fixture
+def agent_store(two_rank_env, monkeypatch) -> dist.TCPStore:
+    """A store server at MASTER_ADDR:MASTER_PORT outliving the ranks, as torch elastic's agent hosts it."""
+    server = dist.TCPStore("127.0.0.1", int(os.environ["MASTER_PORT"]), is_master=True,
+                           wait_for_workers=False, timeout=timedelta(seconds=30))
+    monkeypatch.setenv("TORCHELASTIC_USE_AGENT_STORE", "True")
+    return server
+
+
+def test_restarted_groups_never_read_a_dead_attempts_keys(agent_store, monkeypatch, tmp_path):
+    # Without a namespace per attempt, attempt 1 or 2 reads attempt 0's gloo addresses and barrier counts
+    # from the shared store (connection refused to a dead port, or a barrier that is already "complete").
+    for attempt in range(3):
+        monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", str(attempt))
+        (tmp_path / str(attempt)).mkdir()
+        for rank, record in enumerate(run_ranks(_lifecycle, tmp_path / str(attempt))):
+            assert record["ctx"] == [rank, 2, rank, "cpu"] and record["sum"] == [2.0, 1.0, 1.0], attempt
+
+
+def test_attempt_store_prefixes_keys_with_the_restart_count(agent_store, monkeypatch):
+    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "2")
+    attempt_store(timedelta(seconds=10)).set("key", "two")
+    assert agent_store.get("traincore/attempt-2/key") == b"two"
+    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "3")
+    assert not attempt_store(timedelta(seconds=10)).check(["key"])  # the next attempt starts empty
+
+
+@pytest.mark.parametrize("flag", [None, "False"])
+def test_no_attempt_store_without_the_agent_store(flag, monkeypatch):
+    if flag is None:
+        monkeypatch.delenv("TORCHELASTIC_USE_AGENT_STORE", raising=False)
+    else:
+        monkeypatch.setenv("TORCHELASTIC_USE_AGENT_STORE", flag)
+    assert attempt_store(timedelta(seconds=1)) is None  # plain env://
+
+
+def test_attempt_store_without_master_port_names_torchrun(monkeypatch):
+    monkeypatch.setenv("TORCHELASTIC_USE_AGENT_STORE", "True")
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+    monkeypatch.delenv("MASTER_PORT", raising=False)
+    with pytest.raises(ValueError, match="MASTER_ADDR, an integer MASTER_PORT.*launch with torchrun"):
+        attempt_store(timedelta(seconds=1))
+
+
+# ---- bounded waits and what a timeout says ---------------------------------------------------------------
+
+def test_a_collective_timeout_says_what_timed_out_and_the_fix():
+    gloo = RuntimeError("[unbound_buffer.cc:129] Timed out waiting 5000ms for send operation to complete")
+    with pytest.raises(CollectiveTimeoutError) as caught, explain_timeouts(CFG, 1, lambda: 7):
+        raise gloo
+    message = str(caught.value)
+    assert message.startswith("rank 1: a collective timed out after step 7: another rank never joined it")
+    assert "dist.step_timeout_s=2 s" in message and "raise dist.step_timeout_s" in message
+    assert "Timed out waiting 5000ms" in message and caught.value.__cause__ is gloo
+    assert isinstance(caught.value, dist.DistError)  # the Flyte task retries DistErrors
+
+
+@pytest.mark.parametrize("error", [RuntimeError("Connection reset by peer"), ValueError("timed out")])
+def test_other_errors_pass_through_unexplained(error):
+    with pytest.raises(type(error)) as caught, explain_timeouts(CFG, 0, lambda: 1):
+        raise error
+    assert caught.value is error
+
+
+def _checkpoint_group_bounds(rank: int, out_dir: Path) -> dict:
+    import traincore.checkpoint as checkpoint
+    from traincore.state import StateRegistry
+
+    checkpoint.GROUP_START_TIMEOUT = timedelta(seconds=1.5)  # our own constant, in this child process only
+    record: dict = {}
+    with distributed(CFG):
+        ckpt = checkpoint.Checkpointer(out_dir / "ckpt", CheckpointConfig(), StateRegistry(), rank, 2)
+        if rank == 1:
+            time.sleep(4)  # longer than the creation bound: the saves' allowance must apply now
+        start = time.monotonic()
+        record["loaded"] = ckpt.load()  # a broadcast on the checkpoint group; nothing to resume
+        record["load_s"] = time.monotonic() - start
+        ckpt.close()
+        done = out_dir / "rank0-done"
+        if rank == 1:  # never creates a second group; stays until rank 0 has seen its creation fail
+            while not done.exists():
+                time.sleep(0.05)
+            return record
+        start = time.monotonic()
+        try:
+            checkpoint.Checkpointer(out_dir / "ckpt", CheckpointConfig(), StateRegistry(), rank, 2)
+        except RuntimeError as exc:  # DistStoreError: a rank missing
+            record["error"] = str(exc)
+        record["create_s"] = time.monotonic() - start
+        done.touch()
+    return record
+
+
+def test_checkpoint_group_creation_is_bounded_but_its_collectives_wait_for_saves(two_rank_env, tmp_path):
+    record = run_ranks(_checkpoint_group_bounds, tmp_path)[0]
+    assert record["loaded"] is None and record["load_s"] > 2, record  # waited past the 1.5 s creation bound
+    assert "timeout" in record.get("error", "").lower(), record
+    assert record["create_s"] < 1.5 + 8, record  # the margin covers a loaded 2-core machine

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import re
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -12,7 +13,7 @@ from sklearn.metrics import confusion_matrix as sk_confusion
 from sklearn.metrics import precision_score, recall_score
 
 from traincore.data import StagingError
-from traincore.evaluate import confusion_matrix, evaluate, main, precision_recall
+from traincore.evaluate import confusion_matrix, evaluate, main, precision_recall, resolve_device
 from traincore.export import export, load_exported
 from traincore.loader import StagedSplit
 from traincore.presets import preset
@@ -87,3 +88,40 @@ def test_evaluate_on_cuda_matches_cpu(exported, synthetic_dir):
     on_cpu = evaluate(exported, synthetic_dir, "test", device="cpu")
     assert on_gpu.confusion == on_cpu.confusion
     assert on_gpu.loss == pytest.approx(on_cpu.loss, rel=1e-3)
+
+
+@pytest.mark.parametrize("device, message", [
+    ("gpu:first", "device 'gpu:first' (--device) is not a device name: use cpu"),
+    ("cuda:-1", "device 'cuda:-1' (--device) is not a device name"),
+    ("meta", "device 'meta' (--device) is not available on this machine: use cpu"),
+    ("cuda:99", "device 'cuda:99' (--device) is not available on this machine: use cpu"),
+])
+def test_a_device_this_machine_lacks_is_named(device, message):
+    with pytest.raises(ValueError) as info:
+        resolve_device(device)
+    assert str(info.value).startswith(message)
+
+
+def test_default_and_cpu_devices_resolve():
+    assert resolve_device("cpu") == torch.device("cpu")
+    assert resolve_device(None).type == ("cuda" if torch.cuda.is_available() else "cpu")
+
+
+def test_cli_names_bad_inputs_without_a_traceback(exported, synthetic_dir, tmp_path, capsys):
+    import json
+    import shutil
+
+    model = tmp_path / "m.safetensors"
+    shutil.copy(exported, model)
+    config = json.loads(Path(exported).with_suffix(".json").read_text())
+    model.with_suffix(".json").write_text(json.dumps({**config, "classes": None}))
+    assert main(["--model", str(model), "--data", str(synthetic_dir)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"error: model config {model.with_suffix('.json')} has classes=None") and (
+        "export the model again" in err)
+    model.with_suffix(".json").write_text('{"sha256": "')  # truncated
+    assert main(["--model", str(model), "--data", str(synthetic_dir)]) == 2
+    err = capsys.readouterr().err
+    assert "is not valid JSON" in err and "export it again" in err and "Traceback" not in err
+    assert main(["--model", str(exported), "--data", str(synthetic_dir), "--device", "tpu"]) == 2
+    assert "error: device 'tpu' (--device)" in capsys.readouterr().err

@@ -97,7 +97,7 @@ def test_corrupted_checkpoint_is_not_exported(tmp_path):
 @pytest.mark.parametrize("name, match", [
     ("out", "is a directory: pass a file path such as"),
     ("m.json", "use a .safetensors name such as"),
-    ("checkpoints/step-000004/model.safetensors", "inside the checkpoint .* being exported"),
+    ("checkpoints/step-000004/model.safetensors", "inside the checkpoint .*step-000004, which must not"),
 ])
 def test_export_refuses_an_output_it_cannot_own(tmp_path, name, match):
     trained_checkpoint(tmp_path / "checkpoints", "sync")
@@ -144,8 +144,9 @@ def test_a_failed_write_leaves_no_tmp_file(tmp_path, monkeypatch):
         raise OSError(28, "No space left on device")
 
     monkeypatch.setattr(traincore.export, "save_file", disk_full)
-    with pytest.raises(OSError, match="No space left"):
-        export(tmp_path / "checkpoints", tmp_path / "out" / "model.safetensors")
+    output = tmp_path / "out" / "model.safetensors"
+    with pytest.raises(ExportError, match=f"cannot write {output}: No space left on device: free space"):
+        export(tmp_path / "checkpoints", output)
     assert list((tmp_path / "out").iterdir()) == []
 
 
@@ -168,3 +169,107 @@ def test_cli_empty_root_exits_2_and_success_prints_summary(tmp_path, capsys):
     digest = sha256_file(tmp_path / "m.safetensors")
     assert line.startswith(f"exported {tmp_path / 'm.safetensors'} (") and f"sha256 {digest[:12]}" in line
     assert "step 4" in line and "parameters" in line
+
+
+def test_output_inside_another_committed_checkpoint_is_refused(tmp_path):
+    trained_checkpoint(tmp_path / "checkpoints", "sync", steps=2)
+    trained_checkpoint(tmp_path / "checkpoints", "sync", steps=4)
+    older = step_dir(tmp_path / "checkpoints", 2)
+    with pytest.raises(ExportError, match=f"inside the checkpoint {older}, which must not change"):
+        export(tmp_path / "checkpoints", older / "model.safetensors")  # exports step 4, writes into step 2
+    assert not (older / "model.safetensors").exists()
+    verify_checkpoint(older)
+
+
+def test_unwritable_output_is_refused_before_any_work_and_creates_nothing(tmp_path, monkeypatch):
+    trained_checkpoint(tmp_path / "checkpoints", "sync")
+    (tmp_path / "plain").write_text("a file")
+
+    def must_not_read(*args):
+        raise AssertionError("the checkpoint was read before the output was checked")
+
+    monkeypatch.setattr(traincore.export, "read_checkpoint", must_not_read)
+    with pytest.raises(ExportError, match=f"cannot write {tmp_path}/plain/m/model.safetensors: "
+                                          f"{tmp_path}/plain is a file, not a directory: choose an --output"):
+        export(tmp_path / "checkpoints", tmp_path / "plain" / "m" / "model.safetensors")
+    with pytest.raises(ExportError, match="is a directory: pass a file path such as"):
+        export(tmp_path / "checkpoints", f"{tmp_path}/new/")  # a trailing slash means a directory
+    assert not (tmp_path / "new").exists()
+
+
+def test_a_checkpoint_that_is_a_file_is_named(tmp_path):
+    (tmp_path / "state.pt").write_bytes(b"\0" * 10)
+    with pytest.raises(CheckpointError, match=f"checkpoint {tmp_path}/state.pt is a file: pass a step"):
+        export(tmp_path / "state.pt", tmp_path / "m.safetensors")
+
+
+def test_weights_without_their_config_are_not_left_behind(tmp_path, monkeypatch):
+    """The config is published last; when that fails, the weights just published go too."""
+    trained_checkpoint(tmp_path / "checkpoints", "sync")
+
+    def fail_config(data, path):
+        raise OSError(28, "No space left on device", str(path))
+
+    monkeypatch.setattr(traincore.export, "_publish_json", fail_config)
+    with pytest.raises(ExportError, match=r"No space left on device \(.*m\.json\)"):
+        export(tmp_path / "checkpoints", tmp_path / "out" / "m.safetensors")
+    assert list((tmp_path / "out").iterdir()) == []
+
+
+def test_a_checkpoint_that_cannot_be_read_is_an_export_error(tmp_path, monkeypatch):
+    trained_checkpoint(tmp_path / "checkpoints", "sync")
+
+    def unpickling_fails(directory):
+        raise RuntimeError("PytorchStreamReader failed reading zip archive")
+
+    monkeypatch.setattr(traincore.export, "read_checkpoint", unpickling_fails)
+    with pytest.raises(ExportError, match=r"step-000004 cannot be read \(RuntimeError: PytorchStreamReader.*"
+                                          "export a checkpoint written by traincore.train"):
+        export(tmp_path / "checkpoints", tmp_path / "m.safetensors")
+
+
+@pytest.fixture
+def exported(tmp_path) -> Path:
+    trained_checkpoint(tmp_path / "checkpoints", "sync")
+    return Path(export(tmp_path / "checkpoints", tmp_path / "model" / "m.safetensors").path)
+
+
+def test_load_exported_names_a_damaged_or_foreign_file(exported):
+    config_path = exported.with_suffix(".json")
+    config = json.loads(config_path.read_text())
+    weights = exported.read_bytes()
+    with pytest.raises(ExportError, match=f"model {exported.parent} is a directory: pass the exported file"):
+        load_exported(exported.parent)
+    with pytest.raises(ExportError, match=f"model {config_path} is the JSON config of an export: pass"):
+        load_exported(config_path)
+
+    config_path.write_text(json.dumps(config)[:50])
+    with pytest.raises(ExportError, match=f"model config {config_path} is not valid JSON .* export it again"):
+        load_exported(exported)
+    config_path.write_text(json.dumps({**config, "num_classes": "3"}))
+    with pytest.raises(ExportError, match=r"has num_classes='3', expected an integer: export it again"):
+        load_exported(exported)
+    config_path.write_text(json.dumps({**config, "model": {**config["model"], "width": "4"}}))
+    with pytest.raises(ExportError, match=r"cannot be built \(model.width='4' is invalid"):
+        load_exported(exported)
+
+    import hashlib
+    import io
+
+    buffer = io.BytesIO()
+    torch.save({"weight": torch.zeros(3)}, buffer)  # a pickle under a .safetensors name, its sha256 recorded
+    exported.write_bytes(buffer.getvalue())
+    config_path.write_text(json.dumps({**config, "sha256": hashlib.sha256(buffer.getvalue()).hexdigest()}))
+    with pytest.raises(ExportError, match=f"{exported} is not a safetensors file"):
+        load_exported(exported)
+    exported.write_bytes(weights)
+    config_path.write_text(json.dumps(config))
+    load_exported(exported)  # restored: loads again
+
+
+def test_cli_reports_unwritable_output_with_exit_2(exported, tmp_path, capsys):
+    (tmp_path / "plain").write_text("a file")
+    output = tmp_path / "plain" / "m.safetensors"
+    assert main(["--checkpoint", str(tmp_path / "checkpoints"), "--output", str(output)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"error: cannot write {tmp_path}/plain/m.safetensors") and "Traceback" not in err

@@ -257,3 +257,23 @@ def test_cuda_interval_reports_allocator_peaks(tmp_path):
         second = telemetry.step_done(2, torch.tensor(1.0, device=device), lr=0.1)
     assert first["cuda_max_allocated_gib"] >= 0.25 > second["cuda_max_allocated_gib"]  # reset per interval
     assert first["cuda_max_reserved_gib"] >= first["cuda_max_allocated_gib"] and first["cuda_ooms"] == 0
+
+
+def test_resumed_at_drops_the_later_steps_of_an_earlier_attempt(tmp_path):
+    with make_telemetry(tmp_path, total_steps=6, log_every=1) as killed:
+        killed.resumed_at(0)
+        run_steps(killed, [1.0, 2.0, 3.0, 4.0])  # checkpointed at step 2, then killed
+    with make_telemetry(tmp_path, total_steps=6, log_every=1) as resumed:
+        resumed.resumed_at(2)
+        for step, loss in ((3, 30.0), (4, 40.0), (5, 50.0), (6, 60.0)):
+            resumed.step_done(step, torch.tensor(loss), lr=1e-3)
+    assert [(r["step"], r["loss"]) for r in read_jsonl(tmp_path / "metrics.jsonl")] == [
+        (1, 1.0), (2, 2.0), (3, 30.0), (4, 40.0), (5, 50.0), (6, 60.0)]
+
+
+def test_resumed_at_is_a_no_op_on_other_ranks(tmp_path):
+    (tmp_path / "metrics.jsonl").write_text('{"step": 9, "time": 0, "kind": "train"}\n')
+    cfg = TelemetryConfig(log_every=1, progress="off", tensorboard=False)
+    with Telemetry(cfg, tmp_path, DistContext(1, 2, device=CPU), Workload(10, 8, None), {}) as telemetry:
+        telemetry.resumed_at(3)
+    assert read_jsonl(tmp_path / "metrics.jsonl") == [{"step": 9, "time": 0, "kind": "train"}]

@@ -1,0 +1,557 @@
+"""Bad input, table-driven: every entry point refuses it with one clear message and leaves nothing behind.
+
+One table covers the four CLIs (``traincore.stage``, ``.train``, ``.export``, ``.evaluate``, called in
+process through their ``main(argv)``), the Flyte tasks (``plan_run``, ``stage_dataset``, the train task's
+``execute``) and the workflow's inputs (``training_pipeline``). Each case asserts:
+
+* it fails: exit code 2 for a CLI, an exception for a task or the workflow;
+* the message names the bad input and says what to do (key substrings of both);
+* no ``Traceback`` in stderr (and a CLI prints exactly one ``error:`` line);
+* nothing that looks complete appeared: no new ``manifest.json``, ``commit.json``, ``model.safetensors``
+  nor a leftover ``*.tmp`` file, anywhere the case could have written.
+
+A case marked ``real_process`` also runs as ``python -m traincore.<cli>`` (one per CLI); a torchrun case with
+two ranks shows the error printed exactly once. The real processes all start together, up front, and are
+collected by their tests: the slow part (importing torch) overlaps.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import re
+import subprocess
+import sys
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+from faultlib import TINY, child_env, torchrun
+
+import traincore.evaluate
+import traincore.export
+import traincore.stage
+import traincore.train
+from tasks.plan import plan_run
+from tasks.stage import stage_dataset
+from tasks.train import train_task_for
+from tasks.types import StagedDataset, Topology
+from traincore.checkpoint_files import MARKER, verify_checkpoint
+from traincore.config import DataConfig
+from traincore.data import MANIFEST, Manifest
+from traincore.export import WEIGHTS_FILE, export
+from traincore.presets import preset
+from traincore.stage import stage
+from traincore.train import Trainer
+from workflows.pipeline import training_pipeline
+
+REPO = Path(__file__).resolve().parents[2]
+CONFIG = preset("debug").with_overrides(TINY)
+COMPLETE_LOOKING = (MANIFEST, MARKER, WEIGHTS_FILE)  # what declares a staging, a checkpoint, an export done
+PLAN = dict(source="digits", preset="digits", config_overrides="", epochs=0, max_steps=0, backend="local",
+            nnodes=1, nproc_per_node=1, gpus_per_node=0, accelerator="", max_restarts=0, checkpoint_uri="")
+
+
+def tiny(**sections: dict) -> str:
+    """The tiny training config with ``sections`` merged in, as the JSON ``--config`` takes."""
+    config = json.loads(json.dumps(TINY))
+    for name, fields in sections.items():
+        config.setdefault(name, {}).update(fields)
+    return json.dumps(config)
+
+
+# ---- shared inputs: staged datasets, a trained run, its export -------------------------------------------
+
+@dataclass(frozen=True)
+class Run:
+    """A tiny finished training run on ``fault_data`` (small_cnn width 8, 4 classes of 3x12x12)."""
+
+    checkpoints: Path
+    model: Path
+
+
+@pytest.fixture(scope="module")
+def trained(fault_data: Path, tmp_path_factory: pytest.TempPathFactory) -> Run:
+    root = tmp_path_factory.mktemp("bad-inputs-run")
+    Trainer(CONFIG.with_overrides({"train.max_steps": 2}), fault_data, root / "run").train()
+    model = root / "model" / WEIGHTS_FILE
+    export(root / "run" / "checkpoints", model)
+    return Run(root / "run" / "checkpoints", model)
+
+
+@pytest.fixture(scope="module")
+def other_data(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    """Stagings the trained run does not fit: 3 classes instead of 4; 1 channel instead of 3."""
+    root = tmp_path_factory.mktemp("bad-inputs-data")
+    base = dict(source="synthetic", image_size=12, synthetic_samples=120, samples_per_shard=100)
+    stage(DataConfig(**base, synthetic_classes=3), root / "three-classes")
+    stage(DataConfig(**base, synthetic_classes=4, channels=1), root / "one-channel")
+    return {"three_classes": root / "three-classes", "one_channel": root / "one-channel"}
+
+
+class Env:
+    """What a case builds its input from: the shared inputs and a private directory to damage."""
+
+    def __init__(self, tmp: Path, data: Path, other: dict[str, Path], run: Run, stack: contextlib.ExitStack):
+        self.tmp, self.data, self.run, self._stack = tmp, data, run, stack
+        self.three_classes, self.one_channel = other["three_classes"], other["one_channel"]
+
+    def path(self, name: str) -> Path:
+        """A path in this case's directory that does not exist yet."""
+        return self.tmp / name
+
+    def file(self, name: str, content: bytes | str = "not what you think\n") -> Path:
+        path = self.tmp / name
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_bytes(content if isinstance(content, bytes) else content.encode())
+        return path
+
+    def images(self, name: str, classes: int = 2, per_class: int = 4, sizes: tuple = ((14, 10),),
+               broken: str = "") -> Path:
+        """An ImageFolder ``<name>/class_k/img_i.png``; image i has size ``sizes[i % len(sizes)]``;
+        ``broken`` names an extra file with an image extension that holds text."""
+        from PIL import Image
+
+        root, rng = self.tmp / name, np.random.default_rng(0)
+        root.mkdir(parents=True)
+        for label in range(classes):
+            (root / f"class_{label}").mkdir()
+            for index in range(per_class):
+                width, height = sizes[index % len(sizes)]
+                pixels = rng.integers(0, 256, size=(height, width, 3), dtype=np.uint8)
+                Image.fromarray(pixels).save(root / f"class_{label}" / f"img_{index}.png")
+        if broken:
+            (root / "class_0" / broken).write_text("this is not an image\n")
+        return root
+
+    def foreign_checkpoints(self, name: str) -> Path:
+        """A directory another program wrote: a ``step-000005/`` with its own ``commit.json``."""
+        step = self.tmp / name / "step-000005"
+        step.mkdir(parents=True)
+        (step / MARKER).write_text(json.dumps({"epoch": 3, "saved_by": "another-trainer"}))
+        (step / "weights.bin").write_bytes(b"\0" * 64)
+        return self.tmp / name
+
+    def staged_dataset(self, directory: Path) -> StagedDataset:
+        """The StagedDataset value a train task receives for ``directory`` (no check: the task checks)."""
+        from flytekit.types.directory import FlyteDirectory
+
+        return StagedDataset(directory=FlyteDirectory(str(directory)), source="synthetic", classes=["a", "b"],
+                             shape=[3, 12, 12], counts={"train": 1}, format_version=1)
+
+    def read_only(self, name: str) -> Path:
+        """A directory this process cannot write, whoever runs the tests: mode 0555 for a user; as root
+        (which ignores modes) a read-only tmpfs, or else an immutable directory."""
+        path = self.tmp / name
+        path.mkdir()
+        if os.geteuid() != 0:
+            path.chmod(0o555)
+            self._stack.callback(path.chmod, 0o755)
+        else:
+            self._read_only_as_root(path)
+        with contextlib.suppress(OSError):
+            (path / ".probe").touch()
+            pytest.fail(f"could not make {path} read-only for this test")
+        return path
+
+    def _read_only_as_root(self, path: Path) -> None:
+        tried = []
+        for make, undo in ((["mount", "-t", "tmpfs", "-o", "ro,size=1m", "tmpfs"], ["umount", "-l"]),
+                           (["chattr", "+i"], ["chattr", "-i"])):
+            try:
+                done = subprocess.run([*make, str(path)], capture_output=True, text=True, timeout=30)
+            except OSError as exc:
+                tried.append(f"{make[0]}: {exc}")
+                continue
+            if done.returncode == 0:
+                self._stack.callback(subprocess.run, [*undo, str(path)], capture_output=True, timeout=30)
+                return
+            tried.append(f"{make[0]}: {done.stderr.strip()}")
+        pytest.fail(f"cannot make {path} read-only as root ({'; '.join(tried)}): the read-only cases need "
+                    "CAP_SYS_ADMIN (a read-only tmpfs) or a filesystem with chattr +i")
+
+
+# ---- the table ------------------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class Case:
+    """One bad input. ``make`` builds what ``target`` is called with: argv for a CLI, keyword arguments for
+    plan_run and the workflow, a DataConfig for stage_dataset, (config, dataset dir) for the train task."""
+
+    id: str
+    target: str  # stage | train | export | evaluate | plan | stage_task | train_task | workflow
+    make: Callable[[Env], Any]
+    names: tuple[str, ...]  # substrings that name the bad input
+    fix: tuple[str, ...]  # substrings that say what to do
+    no_cuda: bool = False  # run as on a machine without CUDA
+    real_process: bool = False  # also run as `python -m traincore.<target>`
+    works: bool = False  # hostile-looking, yet valid: it must succeed
+
+
+def stage_args(env: Env, source: str, *extra: str, output: str = "staged") -> list[str]:
+    return ["--source", source, "--output", str(env.path(output)), "--image-size", "12", "--decode-workers",
+            "1", *extra]
+
+
+def train_argv(env: Env, *extra: str, config: str = "", data: Path | None = None,
+               output: Path | None = None) -> list[str]:
+    return ["--data", str(data or env.data), "--output", str(output or env.path("run")), "--preset", "debug",
+            "--config", config or tiny(), "--max-steps", "2", *extra]
+
+
+def export_argv(env: Env, checkpoint: Path | None = None, output: Path | None = None) -> list[str]:
+    return ["--checkpoint", str(checkpoint or env.run.checkpoints),
+            "--output", str(output or env.path("model") / WEIGHTS_FILE)]
+
+
+def evaluate_argv(env: Env, model: Path | None = None, *extra: str, data: Path | None = None) -> list[str]:
+    return ["--model", str(model or env.run.model), "--data", str(data or env.data), *extra]
+
+
+def copied_model(env: Env, weights: bytes | None = None, config_text: str | None = None) -> Path:
+    """A copy of the exported model with its weights and/or config replaced."""
+    model = env.file(f"copy/{WEIGHTS_FILE}", weights if weights is not None else env.run.model.read_bytes())
+    config = env.run.model.with_suffix(".json").read_text()
+    env.file("copy/model.json", config_text if config_text is not None else config)
+    return model
+
+
+def pickle_claiming_safetensors(env: Env) -> Path:
+    """A torch.save file named model.safetensors, its config's sha256 updated so only the format is wrong."""
+    import hashlib
+    import io
+
+    buffer = io.BytesIO()
+    torch.save({"weight": torch.zeros(3)}, buffer)
+    config = json.loads(env.run.model.with_suffix(".json").read_text())
+    config["sha256"] = hashlib.sha256(buffer.getvalue()).hexdigest()
+    return copied_model(env, buffer.getvalue(), json.dumps(config))
+
+
+FRESH = "--resume none"  # part of every refused-resume fix
+CASES = [
+    # -- traincore.stage: sources that do not exist or are no image folders; bad settings ----------------
+    Case("stage-missing-path", "stage", lambda e: stage_args(e, f"imagefolder:{e.path('nowhere')}"),
+         ("imagefolder location", "nowhere", "does not exist"), ("check the path or URI",),
+         real_process=True),
+    Case("stage-missing-uri", "stage", lambda e: stage_args(e, "imagefolder:memory://bucket/no-such-images"),
+         ("memory://bucket/no-such-images", "does not exist"), ("check the path or URI",)),
+    Case("stage-location-is-a-file", "stage", lambda e: stage_args(e, f"imagefolder:{e.file('images.zip')}"),
+         ("images.zip", "is a file"), ("one sub-directory per class",)),
+    Case("stage-no-images", "stage",
+         lambda e: stage_args(e, f"imagefolder:{e.file('empty/class_0/readme.txt').parent.parent}"),
+         ("empty", "holds no images"), ("<root>/<class>/<image>",)),
+    Case("stage-one-class", "stage", lambda e: stage_args(e, f"imagefolder:{e.images('one', classes=1)}"),
+         ("only one class", "class_0"), ("at least two class directories",)),
+    Case("stage-non-image-file", "stage",
+         lambda e: stage_args(e, f"imagefolder:{e.images('broken', broken='notes.png')}"),
+         ("cannot read image", "notes.png"), ("Remove or replace the file",)),
+    Case("stage-mixed-sizes-are-resized", "stage",
+         lambda e: stage_args(e, f"imagefolder:{e.images('mixed', sizes=((14, 10), (40, 31), (9, 23)))}"),
+         (), (), works=True),
+    Case("stage-unknown-source", "stage", lambda e: stage_args(e, "mnist"),
+         ("data.source='mnist'", "is unknown"), ("imagefolder:<path-or-URI>",)),
+    Case("stage-image-size-0", "stage", lambda e: [*stage_args(e, "synthetic"), "--image-size", "0"],
+         ("data.image_size=0",), ("must be an integer >= 1",)),
+    Case("stage-fractions-leave-no-training-split", "stage",
+         lambda e: stage_args(e, "synthetic", "--val-fraction", "0.6", "--test-fraction", "0.5"),
+         ("data.val_fraction + data.test_fraction",), ("must leave a training split",)),
+    # -- traincore.train: data, config types and ranges, checkpoints that do not fit, outputs ------------
+    Case("train-data-missing", "train", lambda e: train_argv(e, data=e.path("nothing-staged")),
+         ("nothing-staged", "is not a staged dataset"), ("python -m traincore.stage",)),
+    Case("train-data-is-an-image-folder", "train", lambda e: train_argv(e, data=e.images("raw")),
+         ("raw", "is not a staged dataset"), ("stage it first",)),
+    Case("train-text-for-a-number", "train", lambda e: train_argv(e, config=tiny(loader={"batch_size": "8"})),
+         ("--config", "loader.batch_size='8'", "expected an integer"), ('{"loader.batch_size": 8}',),
+         real_process=True),
+    Case("train-text-for-a-bool", "train", lambda e: train_argv(e, config=tiny(loader={"shuffle": "no"})),
+         ("loader.shuffle='no'", "expected true or false"), ('{"loader.shuffle": false}',)),
+    Case("train-lr-out-of-range", "train", lambda e: train_argv(e, config=tiny(optim={"lr": -1})),
+         ("optim.lr=-1",), ("must be in (0, 10)",)),
+    Case("train-negative-max-steps", "train", lambda e: [*train_argv(e), "--max-steps", "-1"],
+         ("--max-steps", "train.max_steps=-1"), ("must be an integer >= 0",)),
+    Case("train-config-file-missing", "train", lambda e: train_argv(e, config=str(e.path("cfg.json"))),
+         ("--config", "cfg.json", "cannot read the file"), ("pass an existing .json file",)),
+    Case("train-nccl-without-cuda", "train", lambda e: train_argv(e, config=tiny(dist={"backend": "nccl"})),
+         ("dist.backend='nccl'", "needs CUDA"), ("use 'auto' or 'gloo'",), no_cuda=True),
+    Case("train-async-checkpoints-without-cpu-backend", "train",
+         lambda e: train_argv(e, "--checkpoint-mode", "async", config=tiny(dist={"backend": "nccl"})),
+         ("checkpoint.mode='async'", "dist.backend='nccl'"), ("set dist.backend to 'auto'",)),
+    Case("train-vit-on-12px", "train", lambda e: train_argv(e, config=tiny(model={"name": "vit_b_16"})),
+         ("model.name='vit_b_16'", "staged at 12"), ("multiple of 16",)),
+    Case("train-resume-missing-step", "train", lambda e: train_argv(e, "--resume", "999"),
+         ("--resume", "step 999", "no complete checkpoint"), (FRESH,)),
+    Case("train-resume-another-model", "train",
+         lambda e: train_argv(e, "--checkpoint-dir", str(e.run.checkpoints),
+                              config=tiny(model={"width": 16})),
+         ("was written by a run of model", "'width': 8", "'width': 16"),
+         ("use that run's model config", FRESH)),
+    Case("train-resume-another-datasets-classes", "train",
+         lambda e: train_argv(e, "--checkpoint-dir", str(e.run.checkpoints), data=e.three_classes),
+         ("trained on data of 4 classes", "holds 3 classes"), ("staged as that run's was", FRESH)),
+    Case("train-resume-other-channels", "train",
+         lambda e: train_argv(e, "--checkpoint-dir", str(e.run.checkpoints), data=e.one_channel),
+         ("shape (3, 12, 12)", "of shape (1, 12, 12)"), ("staged as that run's was", FRESH)),
+    Case("train-checkpoints-of-another-program", "train",
+         lambda e: train_argv(e, "--checkpoint-dir", str(e.foreign_checkpoints("theirs"))),
+         ("theirs/step-000005", MARKER), ("fresh checkpoint root",)),
+    Case("train-checkpoint-dir-is-a-file", "train",
+         lambda e: train_argv(e, "--checkpoint-dir", str(e.file("ckpt"))),
+         ("checkpoint directory", "is a file, not a directory"), ("set --checkpoint-dir",)),
+    Case("train-output-read-only", "train",
+         lambda e: train_argv(e, output=e.read_only("ro") / "run"),
+         ("output directory", "ro/run", "cannot be created"), ("set --output to a directory you can write",)),
+    # -- traincore.export: inputs that are no checkpoint, outputs it must not or cannot write ------------
+    Case("export-checkpoint-missing", "export", lambda e: export_argv(e, e.path("no-run")),
+         ("checkpoint", "no-run", "does not exist"), ("pass a step directory",), real_process=True),
+    Case("export-a-staged-dataset", "export", lambda e: export_argv(e, e.data),
+         ("holds no complete checkpoint",), ("pass the checkpoints root of a run",)),
+    Case("export-checkpoints-of-another-program", "export",
+         lambda e: export_argv(e, e.foreign_checkpoints("theirs")),
+         ("theirs/step-000005", MARKER), ("fresh checkpoint root",)),
+    Case("export-output-is-a-directory", "export", lambda e: export_argv(e, output=e.file("out/keep").parent),
+         ("output", "is a directory"), ("pass a file path such as",)),
+    Case("export-output-inside-its-checkpoint", "export",
+         lambda e: export_argv(e, output=e.run.checkpoints / "step-000002" / WEIGHTS_FILE),
+         ("is inside the checkpoint", "step-000002"), ("write the model outside the checkpoint",)),
+    Case("export-output-read-only", "export",
+         lambda e: export_argv(e, output=e.read_only("ro") / "m.safetensors"),
+         ("cannot write", "ro/m.safetensors", "is not writable"), ("choose an --output",)),
+    Case("export-output-under-a-file", "export",
+         lambda e: export_argv(e, output=e.file("plain") / WEIGHTS_FILE),
+         ("plain", "is a file, not a directory"), ("choose an --output",)),
+    # -- traincore.evaluate: model files that are not what export writes, data it was not trained for ----
+    Case("evaluate-not-safetensors", "evaluate", lambda e: evaluate_argv(e, pickle_claiming_safetensors(e)),
+         ("copy/model.safetensors", "is not a safetensors file"), ("written by python -m traincore.export",),
+         real_process=True),
+    Case("evaluate-truncated-config", "evaluate",
+         lambda e: evaluate_argv(e, copied_model(e, config_text=e.run.model.with_suffix(".json")
+                                                 .read_text()[:90])),
+         ("copy/model.json", "is not valid JSON"), ("export it again",)),
+    Case("evaluate-model-is-its-config", "evaluate",
+         lambda e: evaluate_argv(e, e.run.model.with_suffix(".json")),
+         ("model.json", "is the JSON config"), ("pass the weights file beside it",)),
+    Case("evaluate-model-missing", "evaluate", lambda e: evaluate_argv(e, e.path("gone.safetensors")),
+         ("gone.safetensors", "is missing"), ("python -m traincore.export",)),
+    Case("evaluate-bad-device", "evaluate", lambda e: evaluate_argv(e, None, "--device", "gpu:first"),
+         ("device 'gpu:first'", "--device"), ("use cpu",)),
+    Case("evaluate-other-classes", "evaluate", lambda e: evaluate_argv(e, data=e.three_classes),
+         ("expects 4 classes", "holds 3 classes"), ("data staged with the training settings",)),
+    Case("evaluate-other-channels", "evaluate", lambda e: evaluate_argv(e, data=e.one_channel),
+         ("shape (3, 12, 12)", "shape (1, 12, 12)"), ("data staged with the training settings",)),
+    Case("evaluate-unknown-split", "evaluate", lambda e: evaluate_argv(e, None, "--split", "holdout"),
+         ("split 'holdout'",), ("train, val, test",)),
+    # -- plan_run: what the workflow validates before anything stages or trains --------------------------
+    Case("plan-text-for-a-number", "plan", lambda e: dict(config_overrides='{"loader": {"batch_size": "8"}}'),
+         ("input config_overrides", "loader.batch_size='8'"), ('{"loader.batch_size": 8}',)),
+    Case("plan-nnodes-2-locally", "plan", lambda e: dict(nnodes=2),
+         ("input nnodes=2", "backend='local'"), ("set nnodes=1",)),
+    Case("plan-async-checkpoints-without-cpu-backend", "plan",
+         lambda e: dict(config_overrides='{"dist": {"backend": "nccl"}, "checkpoint": {"mode": "async"}}'),
+         ("input config_overrides", "checkpoint.mode='async'"), ("'cpu:gloo,cuda:nccl'",)),
+    Case("plan-vit-on-12px", "plan",
+         lambda e: dict(config_overrides='{"model": {"name": "vit_b_16"}, "data": {"image_size": 12}}'),
+         ("model.name='vit_b_16'", "data.image_size=12"), ("multiple of 16",)),
+    Case("plan-image-too-small-for-the-model", "plan",
+         lambda e: dict(config_overrides='{"data": {"image_size": 2}}'),
+         ("model.name='small_cnn'", "data.image_size=2"), ("larger data.image_size",)),
+    Case("plan-dataset-path-missing", "plan", lambda e: dict(source=f"imagefolder:{e.path('photos')}"),
+         ("input source=", "photos", "does not exist"), ("<root>/<class>/<image>",)),
+    Case("plan-unknown-uri-scheme", "plan", lambda e: dict(source="imagefolder:ftps3://bucket/photos"),
+         ("input source=", "unknown scheme ftps3://"), ("s3://bucket/path",)),
+    Case("plan-checkpoint-uri-is-a-file", "plan", lambda e: dict(checkpoint_uri=str(e.file("ckpt"))),
+         ("input checkpoint_uri=", "is a file, not a directory"), ("set checkpoint_uri to a directory",)),
+    Case("plan-checkpoint-uri-read-only", "plan", lambda e: dict(checkpoint_uri=str(e.read_only("ro"))),
+         ("input checkpoint_uri=", "is not writable"), ("set checkpoint_uri to a directory you can write",)),
+    # -- stage_dataset: the staging task -----------------------------------------------------------------
+    Case("stage-task-non-image-file", "stage_task",
+         lambda e: DataConfig(source=f"imagefolder:{e.images('broken', broken='scan.jpg')}", image_size=12,
+                              decode_workers=1),
+         ("cannot read image", "scan.jpg"), ("Remove or replace the file",)),
+    Case("stage-task-uri-missing", "stage_task",
+         lambda e: DataConfig(source="imagefolder:memory://bucket/missing", image_size=12),
+         ("memory://bucket/missing", "does not exist"), ("check the path or URI",)),
+    # -- the train task's execute: checked before any worker starts --------------------------------------
+    Case("train-task-not-a-dataset", "train_task", lambda e: (CONFIG, e.file("data/readme.txt").parent),
+         ("is not a staged dataset",), ("stage it first",)),
+    Case("train-task-batch-larger-than-the-data", "train_task",
+         lambda e: (CONFIG.with_overrides({"loader.batch_size": 4096}), e.data),
+         ("loader.batch_size=4096", "exceeds the 384 training samples"), ("lower loader.batch_size",)),
+    Case("train-task-nccl-without-cuda", "train_task",
+         lambda e: (CONFIG.with_overrides({"dist.backend": "nccl"}), e.data),
+         ("dist.backend='nccl'", "needs CUDA"), ("use 'auto' or 'gloo'",), no_cuda=True),
+    # -- training_pipeline's inputs ----------------------------------------------------------------------
+    Case("workflow-epochs-and-max-steps", "workflow", lambda e: dict(epochs=2, max_steps=5),
+         ("epochs=2 and max_steps=5",), ("give one of them",)),
+    Case("workflow-slurm-backend", "workflow", lambda e: dict(backend="slurm"),
+         ("input backend='slurm'", "not yet supported"), ("use one of local",)),
+    Case("workflow-zero-processes", "workflow", lambda e: dict(nproc_per_node=0),
+         ("input nproc_per_node=0",), ("must be >= 1",)),
+    Case("workflow-text-for-a-bool", "workflow",
+         lambda e: dict(config_overrides='{"loader": {"shuffle": "no"}}'),
+         ("input config_overrides", "loader.shuffle='no'"), ('{"loader.shuffle": false}',)),
+    Case("workflow-wrong-input-type", "workflow", lambda e: dict(epochs="3"),
+         ("Failed argument 'epochs'",), ("Expected value of type <class 'int'>",)),
+]
+CLIS = {"stage": traincore.stage.main, "train": traincore.train.main, "export": traincore.export.main,
+        "evaluate": traincore.evaluate.main}
+
+
+def complete_looking(roots: list[Path]) -> set[Path]:
+    """Files under ``roots`` that declare an output complete, and temporary files left behind."""
+    found = set()
+    for root in roots:
+        if root.is_dir():
+            found.update(p for p in root.rglob("*") if p.name in COMPLETE_LOOKING or p.name.endswith(".tmp"))
+    return found
+
+
+@pytest.fixture
+def env(fault_data, other_data, trained, tmp_path) -> Iterator[Env]:
+    with contextlib.ExitStack() as stack:
+        yield Env(tmp_path, fault_data, other_data, trained, stack)
+
+
+def watched(env: Env) -> list[Path]:
+    """Everywhere a case could write: its directory, the user cache (local stagings) and the shared run."""
+    return [env.tmp, Path(os.environ["XDG_CACHE_HOME"]), env.run.checkpoints.parent, env.run.model.parent]
+
+
+def invoke(case: Case, env: Env, made: Any) -> tuple[int | None, str]:
+    """Call ``case.target`` with ``made``: (exit code, "") for a CLI, whose message goes to stderr; (None,
+    the exception's text) for a task or the workflow."""
+    if case.target in CLIS:
+        try:
+            return CLIS[case.target](made), ""
+        except SystemExit as exc:  # argparse
+            return exc.code, ""
+    if case.target == "plan":
+        call = lambda: plan_run(**PLAN | made)  # noqa: E731
+    elif case.target == "stage_task":
+        call = lambda: stage_dataset(data=made)  # noqa: E731
+    elif case.target == "train_task":
+        config, directory = made
+        task = train_task_for(Topology(nproc_per_node=2), config)
+        call = lambda: task.execute(config=config, dataset=env.staged_dataset(directory),  # noqa: E731
+                                    checkpoint_root=str(env.path("checkpoints")))
+    else:
+        call = lambda: training_pipeline(**made)  # noqa: E731
+    with pytest.raises(Exception) as info:
+        call()
+    return None, str(info.value)
+
+
+@pytest.mark.parametrize("case", CASES, ids=[case.id for case in CASES])
+def test_bad_input_is_refused_clearly(case: Case, env: Env, capsys, monkeypatch):
+    if case.no_cuda:
+        monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    made = case.make(env)  # the bad input, in place: from here on nothing may look complete that did not
+    before = complete_looking(watched(env))
+    code, message = invoke(case, env, made)
+    out, err = capsys.readouterr()
+    if case.works:  # mixed image sizes: each image is resized (shorter side) and centre-cropped
+        assert code == 0, err
+        manifest = Manifest.load(env.path("staged"))
+        assert manifest.shape == (3, 12, 12) and sum(s.count for s in manifest.splits.values()) == 8
+        return
+    if case.target in CLIS:
+        assert code == 2, f"exit code {code}\n{out}\n{err}"
+        errors = [line for line in err.splitlines() if line.startswith("error:")]
+        assert len(errors) == 1, err
+        message = errors[0]
+    for part in (*case.names, *case.fix):
+        assert part in message, f"{part!r} not in: {message}"
+    assert "Traceback" not in err
+    assert complete_looking(watched(env)) == before
+
+
+def test_the_table_covers_every_entry_point():
+    """At least 30 cases, each CLI, task and the workflow among them, one real process per CLI."""
+    targets = {case.target for case in CASES}
+    assert len(CASES) >= 30 and targets == {*CLIS, "plan", "stage_task", "train_task", "workflow"}
+    assert sorted(case.target for case in CASES if case.real_process) == sorted(CLIS)
+    assert len({case.id for case in CASES}) == len(CASES)
+
+
+def test_refused_export_leaves_its_checkpoint_as_committed(env, capsys):
+    """The output-inside-the-checkpoint case, once more: the checkpoint still verifies, file for file."""
+    step = env.run.checkpoints / "step-000002"
+    files = sorted(p.name for p in step.iterdir())
+    assert traincore.export.main(export_argv(env, output=step / WEIGHTS_FILE)) == 2
+    assert "is inside the checkpoint" in capsys.readouterr().err
+    assert sorted(p.name for p in step.iterdir()) == files
+    verify_checkpoint(step)
+
+
+# ---- real processes: one per CLI, and torchrun with two ranks -------------------------------------------
+
+@dataclass
+class Launched:
+    case: Case
+    env: Env
+    process: subprocess.Popen
+    before: set[Path]
+
+    def wait(self, timeout: float = 240) -> tuple[int, str, str]:
+        out, err = self.process.communicate(timeout=timeout)
+        return self.process.returncode, out, err
+
+
+TORCHRUN = Case("torchrun-resume-another-model", "train",
+                lambda e: train_argv(e, "--checkpoint-dir", str(e.run.checkpoints),
+                                     config=tiny(model={"width": 16})),
+                ("was written by a run of model", "'width': 16"), ("use that run's model config", FRESH))
+
+
+@pytest.fixture(scope="module")
+def launched(fault_data, other_data, trained, tmp_path_factory) -> Iterator[dict[str, Launched]]:
+    """Every real-process case and the torchrun case, started at once (their torch imports overlap)."""
+    with contextlib.ExitStack() as stack:
+        started = {}
+        for case in [*(c for c in CASES if c.real_process), TORCHRUN]:
+            env = Env(tmp_path_factory.mktemp(case.id), fault_data, other_data, trained, stack)
+            argv = case.make(env)
+            if case is TORCHRUN:
+                command = torchrun(2, "traincore.train", *argv)
+            else:
+                command = [sys.executable, "-m", f"traincore.{case.target}", *argv]
+            before = complete_looking(watched(env))
+            process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                       env=child_env(), cwd=REPO)
+            stack.callback(process.kill)
+            started[case.id] = Launched(case, env, process, before)
+        yield started
+
+
+@pytest.mark.parametrize("case", [c for c in CASES if c.real_process], ids=lambda c: c.id)
+def test_cli_in_a_real_process(case: Case, launched):
+    run = launched[case.id]
+    code, out, err = run.wait()
+    assert code == 2, f"exit code {code}\n{out}\n{err}"
+    assert "Traceback" not in err, err
+    errors = [line for line in err.splitlines() if line.startswith("error")]
+    assert len(errors) == 1 and errors[0].startswith("error: "), err
+    for part in (*case.names, *case.fix):
+        assert part in errors[0], f"{part!r} not in: {errors[0]}"
+    assert complete_looking(watched(run.env)) == run.before
+
+
+def test_torchrun_prints_the_error_once(launched):
+    """Both ranks find the error before any process group starts; only rank 0 prints it. torchrun's own
+    report (its ChildFailedError box) follows, but no traceback from traincore."""
+    run = launched[TORCHRUN.id]
+    code, out, err = run.wait()
+    assert code != 0, err
+    errors = [line for line in err.splitlines() if re.match(r"error\b", line)]
+    assert len(errors) == 1, err
+    assert errors[0].startswith("error: "), errors  # rank 0's line, not another rank's
+    for part in (*TORCHRUN.names, *TORCHRUN.fix):
+        assert part in errors[0], f"{part!r} not in: {errors[0]}"
+    assert f'File "{REPO / "traincore"}' not in err, err  # torchrun's traceback is its own, not the workers'
+    assert "traincore.train FAILED" in err and "exitcode  : 2" in err
+    assert complete_looking(watched(run.env)) == run.before

@@ -1,0 +1,71 @@
+"""metrics.jsonl and TensorBoard after a relaunch: a torchrun tree SIGKILLed after a checkpoint, then run
+again with the same command, reports every step exactly once."""
+
+from __future__ import annotations
+
+import json
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+from faultlib import TINY, child_env, kill_tree, metric_rows, run, torchrun, train_args, wait_for
+
+from traincore.checkpoint_files import complete_steps
+
+MAX_STEPS, EVERY = 60, 10
+CONFIG = {**TINY, "telemetry": {**TINY["telemetry"], "tensorboard": True, "tb_flush_secs": 1}}
+
+
+def logged_steps(output: Path) -> list[int]:
+    return [row["step"] for row in metric_rows(output)]
+
+
+def kill_with_orphans(process: subprocess.Popen, output: Path) -> tuple[int, int]:
+    """SIGKILL the tree once a checkpoint exists and steps after it were logged; (checkpoint, last step).
+
+    The tree is frozen (SIGSTOP) while its state is read, so what is read is what the kill leaves; if no
+    step was logged after the latest checkpoint yet, it runs on a little and is looked at again.
+    """
+    checkpoints = output / "checkpoints"
+    for _ in range(200):
+        wait_for(lambda: complete_steps(checkpoints) or process.poll() is not None, 240, "a first checkpoint")
+        assert process.poll() is None, "the run finished before it could be killed"
+        kill_tree(process.pid, signal.SIGSTOP)
+        saved, logged = complete_steps(checkpoints)[-1], max(logged_steps(output), default=0)
+        if logged > saved:
+            kill_tree(process.pid, signal.SIGKILL)
+            process.wait(30)
+            return saved, logged
+        kill_tree(process.pid, signal.SIGCONT)
+        time.sleep(0.05)
+    raise AssertionError("never caught the run between a checkpoint and its next logged step")
+
+
+def test_a_relaunched_run_reports_every_step_once(fault_data, tmp_path):
+    from tensorboard.backend.event_processing.plugin_event_accumulator import EventAccumulator
+
+    output = tmp_path / "run"
+    command = torchrun(2, "traincore.train", *train_args(fault_data, output, "--max-steps", str(MAX_STEPS),
+                                                         "--checkpoint-every", str(EVERY), config=CONFIG))
+    with open(tmp_path / "first.log", "w") as log:
+        first = subprocess.Popen(command, env=child_env(), stdout=log, stderr=subprocess.STDOUT)
+    try:
+        saved, logged = kill_with_orphans(first, output)
+    finally:
+        kill_tree(first.pid)
+    before = (output / "metrics.jsonl").read_text().splitlines(keepends=True)
+    assert logged_steps(output) == list(range(1, logged + 1)) and saved < logged < MAX_STEPS
+
+    second = run(command)
+    assert second.returncode == 0, second.stderr[-3000:]
+    assert f"resumed from step {saved}" in second.stdout + second.stderr
+    # Every train step once; steps <= the checkpoint keep the killed run's records, byte for byte.
+    assert logged_steps(output) == list(range(1, MAX_STEPS + 1))
+    kept = [line for line in before if line.endswith("\n") and json.loads(line)["step"] <= saved]
+    assert (output / "metrics.jsonl").read_text().splitlines(keepends=True)[:len(kept)] == kept
+    assert [row["step"] for row in metric_rows(output, "eval")] == [MAX_STEPS]
+    # TensorBoard shows one point per step too: the resumed writer purged the killed run's later events.
+    events = EventAccumulator(str(output / "tensorboard"))
+    events.Reload()
+    assert [event.step for event in events.Tensors("train/loss")] == list(range(1, MAX_STEPS + 1))
