@@ -3,7 +3,7 @@ PY ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 
-.PHONY: run test bench lint docs clean install install-dev
+.PHONY: run test bench lint docs clean install install-dev replay
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
@@ -32,8 +32,23 @@ bench: install
 	$(BIN)/python bench/loader.py
 	$(BIN)/python bench/checkpoint.py
 
+# Package the workflow as a platform team registers it (fast registration), then replay it node by node as a
+# cluster runs it: one pod of two processes, then a 2-pod PyTorchJob. Prints each node's wall time and the
+# test accuracy; fails if a node fails or the two pods do not form one world. README: "Replaying a registration".
+REPLAY_DIR ?= runs/replay
+REPLAY_INPUTS ?= --input max_steps=80
+REPLAY_OPTS ?= --node-timeout 600
+replay: install
+	rm -rf $(REPLAY_DIR) && mkdir -p $(REPLAY_DIR)
+	$(BIN)/pyflyte --pkgs workflows package --image flyte-torch-pipeline:replay --copy all --force \
+		--output $(REPLAY_DIR)/package.tgz
+	$(BIN)/python -m replay $(REPLAY_DIR)/package.tgz --workdir $(REPLAY_DIR)/1-node $(REPLAY_OPTS) $(REPLAY_INPUTS) \
+		--input nnodes=1 --input nproc_per_node=2
+	$(BIN)/python -m replay $(REPLAY_DIR)/package.tgz --workdir $(REPLAY_DIR)/2-pods $(REPLAY_OPTS) $(REPLAY_INPUTS) \
+		--input backend=kubernetes --input nnodes=2 --input nproc_per_node=1
+
 lint: install-dev
-	$(BIN)/ruff check traincore tasks workflows tests bench
+	$(BIN)/ruff check traincore tasks workflows replay tests bench
 
 # The README's config table, generated from the field docstrings in traincore/config.py.
 docs: install
@@ -41,3 +56,9 @@ docs: install
 
 clean:
 	rm -rf runs .pytest_cache
+
+# Build the CPU image with podman from a local Debian base and run the workflow inside it as the image's
+# non-root user (needs podman, buildah, debootstrap; about 10 minutes cold). Not part of `make test`.
+.PHONY: image-check
+image-check:
+	scripts/image-check

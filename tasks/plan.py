@@ -7,6 +7,11 @@ rendezvous timeout).
 
 from __future__ import annotations
 
+import asyncio
+import shlex
+import socket
+import sys
+from dataclasses import replace
 from typing import Any, NamedTuple
 
 import fsspec
@@ -14,9 +19,12 @@ import torch
 from flytekit import task
 from flytekit.core.context_manager import FlyteContextManager
 
-from tasks.backends import BACKENDS, PLANNED_BACKENDS
+from tasks.backends import BACKENDS, SLURM_BACKEND
+from tasks.slurm_client import SlurmClient
+from tasks.slurm_ssh import SlurmTarget, host_alias_known
+from tasks.slurm_states import SlurmError
 from tasks.storage import is_uri, local_path
-from tasks.types import Topology
+from tasks.types import SlurmSettings, Topology
 from traincore.config import Config, ConfigError, DataConfig, parse_source
 from traincore.presets import preset
 from traincore.train import OutputError, check_model_input, ensure_writable_dir
@@ -84,9 +92,6 @@ def check_source(source: str) -> None:
 def check_topology(topology: Topology, local_run: bool) -> None:
     """Backend, node count, processes and GPUs: every rule that would otherwise fail inside the launch."""
     backend = topology.backend
-    if backend in PLANNED_BACKENDS:
-        raise LaunchInputError(f"input backend={backend!r} is not yet supported: use one of "
-                               f"{', '.join(BACKENDS)} (Slurm support is planned)")
     if backend not in BACKENDS:
         raise LaunchInputError(f"input backend={backend!r} is unknown: use one of {', '.join(BACKENDS)}")
     for name, low in (("nnodes", 1), ("nproc_per_node", 1), ("gpus_per_node", 0), ("max_restarts", 0)):
@@ -94,9 +99,9 @@ def check_topology(topology: Topology, local_run: bool) -> None:
         if value < low:
             raise LaunchInputError(f"input {name}={value} is invalid: it must be >= {low}")
     if topology.nnodes > 1 and backend == "local":
-        raise LaunchInputError(f"input nnodes={topology.nnodes} needs backend='kubernetes': backend='local' "
-                               "runs every process on this machine; set nnodes=1")
-    if topology.nnodes > 1 and local_run:
+        raise LaunchInputError(f"input nnodes={topology.nnodes} needs backend='kubernetes' or 'slurm': "
+                               "backend='local' runs every process on this machine; set nnodes=1")
+    if topology.nnodes > 1 and local_run and backend == "kubernetes":
         raise LaunchInputError(f"input nnodes={topology.nnodes} needs a Flyte cluster: launch with "
                                "`pyflyte run --remote ...`, or set nnodes=1 to train here")
     if topology.accelerator and not topology.gpus_per_node:
@@ -106,7 +111,8 @@ def check_topology(topology: Topology, local_run: bool) -> None:
                                f"{topology.gpus_per_node}: run one process per GPU")
 
 
-def check_checkpoint_root(cfg: Config, topology: Topology, checkpoint_uri: str) -> None:
+def check_checkpoint_root(cfg: Config, topology: Topology, checkpoint_uri: str,
+                          local_run: bool = False) -> None:
     """Several nodes without a shared filesystem checkpoint node-locally and sync through an object store.
 
     That works for rank 0's single-file ``sync`` checkpoints restored at the start of each Flyte attempt;
@@ -114,6 +120,8 @@ def check_checkpoint_root(cfg: Config, topology: Topology, checkpoint_uri: str) 
     """
     if topology.nnodes == 1 or (checkpoint_uri and not is_uri(checkpoint_uri)):
         return
+    if topology.backend == SLURM_BACKEND and local_run and not checkpoint_uri:
+        return  # the default root is under the local raw output prefix, on the filesystem the cluster shares
     if cfg.checkpoint.mode != "sync":
         raise LaunchInputError(
             f"checkpoint.mode={cfg.checkpoint.mode!r} with nnodes={topology.nnodes} writes one part per "
@@ -142,10 +150,11 @@ def check_backend(cfg: Config, topology: Topology, local_run: bool) -> None:
     """An NCCL process group needs GPUs: CUDA on this machine for a local run, gpus_per_node on a cluster."""
     if "nccl" not in cfg.dist.backend:
         return
-    has_gpus = torch.cuda.is_available() if local_run else topology.gpus_per_node > 0
+    on_this_machine = local_run and topology.backend != SLURM_BACKEND  # Slurm nodes have their own GPUs
+    has_gpus = torch.cuda.is_available() if on_this_machine else topology.gpus_per_node > 0
     if not has_gpus:
-        where, other = (("this machine has no CUDA device", "run on a machine with one") if local_run else
-                        ("gpus_per_node=0 gives the pods no GPU", "request GPUs with gpus_per_node"))
+        where, other = (("this machine has no CUDA device", "run on a machine with one") if on_this_machine
+                        else ("gpus_per_node=0 gives the nodes no GPU", "request GPUs with gpus_per_node"))
         raise LaunchInputError(f"input config_overrides: dist.backend={cfg.dist.backend!r} needs GPUs, but "
                                f"{where}: set '{{\"dist\": {{\"backend\": \"auto\"}}}}' in config_overrides, "
                                f"or {other}")
@@ -168,6 +177,65 @@ def check_checkpoint_uri(checkpoint_uri: str, local_run: bool) -> None:
         raise LaunchInputError(f"input checkpoint_uri={checkpoint_uri!r}: {exc}") from exc
 
 
+SLURM_PROBE_TIMEOUT_S = 20.0  # connect and each command: a wrong host or port fails the plan, not a hang
+SLURM_COMMANDS = ("sbatch", "srun", "scontrol", "scancel", "sinfo")
+
+
+def check_slurm(topology: Topology, local_run: bool) -> Topology:
+    """Slurm inputs: only with backend='slurm', a target that is known and answers, the Slurm commands
+    there, and a partition with at least ``nnodes`` nodes. A local run's job activates this run's Python
+    environment unless ``slurm_setup`` says otherwise (the loopback cluster shares this filesystem)."""
+    slurm = topology.slurm
+    if topology.backend != SLURM_BACKEND:
+        if slurm != SlurmSettings():
+            raise LaunchInputError(f"inputs slurm_* are set but backend={topology.backend!r}: set "
+                                   "backend='slurm' to train on Slurm, or leave the slurm_* inputs empty")
+        return topology
+    if not slurm.target:
+        raise LaunchInputError("input backend='slurm' needs slurm_target: the ssh Host alias (in "
+                               "~/.ssh/config) or hostname of the cluster's login node, e.g. slurm-loopback "
+                               "after `scripts/slurm-loopback up`")
+    try:
+        shlex.split(slurm.sbatch_flags)
+        target = SlurmTarget(host=slurm.target, connect_timeout_s=SLURM_PROBE_TIMEOUT_S,
+                             command_timeout_s=SLURM_PROBE_TIMEOUT_S)
+    except ValueError as exc:
+        raise LaunchInputError(f"input slurm_target or slurm_sbatch_flags: {exc}") from exc
+    if not host_alias_known(slurm.target) and not _resolvable(slurm.target):
+        raise LaunchInputError(f"input slurm_target={slurm.target!r} is neither a Host alias in "
+                               "~/.ssh/config nor a resolvable hostname: add a Host entry (HostName, Port, "
+                               "User, IdentityFile) or fix the name")
+    nodes = asyncio.run(_probe_slurm(target, slurm.partition))
+    if topology.nnodes > nodes:
+        where = f"partition {slurm.partition!r}" if slurm.partition else "the default partition"
+        raise LaunchInputError(f"input nnodes={topology.nnodes} exceeds the {nodes} node(s) of {where} on "
+                               f"{slurm.target}: lower nnodes or choose a larger slurm_partition")
+    if not slurm.setup and local_run and sys.prefix != sys.base_prefix:
+        slurm = replace(slurm, setup=f"source {shlex.quote(sys.prefix)}/bin/activate")
+    return replace(topology, slurm=slurm)
+
+
+def _resolvable(host: str) -> bool:
+    try:
+        socket.getaddrinfo(host, None)
+    except OSError:
+        return False
+    return True
+
+
+async def _probe_slurm(target: SlurmTarget, partition: str) -> int:
+    """Connect (host key verified), check the Slurm commands exist and count the partition's nodes."""
+    try:
+        async with SlurmClient(target) as client:
+            missing = await client.missing_commands(SLURM_COMMANDS)
+            if missing:
+                raise LaunchInputError(f"input slurm_target={target.host!r}: the login node has no "
+                                       f"{', '.join(missing)} on its PATH: is it a Slurm login node?")
+            return await client.partition_nodes(partition or None)
+    except SlurmError as exc:  # connection problems included: their messages name the fix
+        raise LaunchInputError(f"input slurm_target={target.host!r}: {exc}") from exc
+
+
 class RunPlan(NamedTuple):
     config: Config
     data: DataConfig
@@ -177,19 +245,23 @@ class RunPlan(NamedTuple):
 @task
 def plan_run(source: str, preset: str, config_overrides: str, epochs: int, max_steps: int, backend: str,
              nnodes: int, nproc_per_node: int, gpus_per_node: int, accelerator: str, max_restarts: int,
-             checkpoint_uri: str) -> RunPlan:
+             checkpoint_uri: str, slurm_target: str, slurm_partition: str, slurm_account: str,
+             slurm_time_limit: str, slurm_sbatch_flags: str, slurm_setup: str) -> RunPlan:
     """Validate the launch inputs and resolve them into the run's Config and Topology."""
+    slurm = SlurmSettings(target=slurm_target, partition=slurm_partition, account=slurm_account,
+                          time_limit=slurm_time_limit, sbatch_flags=slurm_sbatch_flags, setup=slurm_setup)
     cfg = build_config(preset, config_overrides, source, epochs, max_steps)
     check_source(cfg.data.source)
     topology = Topology(backend=backend, nnodes=nnodes, nproc_per_node=nproc_per_node,
                         gpus_per_node=gpus_per_node, accelerator=accelerator, max_restarts=max_restarts,
-                        rdzv_timeout_s=cfg.dist.init_timeout_s)
+                        rdzv_timeout_s=cfg.dist.init_timeout_s, slurm=slurm)
     local_run = FlyteContextManager.current_context().execution_state.is_local_execution()
     check_topology(topology, local_run)
-    check_checkpoint_root(cfg, topology, checkpoint_uri)
+    check_checkpoint_root(cfg, topology, checkpoint_uri, local_run)
     check_backend(cfg, topology, local_run)
     check_model(cfg)
-    check_checkpoint_uri(checkpoint_uri, local_run)  # last: it may create the directory
+    check_checkpoint_uri(checkpoint_uri, local_run)  # it may create the directory
+    topology = check_slurm(topology, local_run)  # last: it contacts the cluster
     length = f"{cfg.train.max_steps} steps" if cfg.train.max_steps else f"{cfg.train.epochs} epochs"
     print(f"plan: preset {preset}, source {cfg.data.source}, model {cfg.model.name}, {length}; "
           f"{nnodes} node(s) x {nproc_per_node} process(es) on {backend}", flush=True)

@@ -6,6 +6,7 @@ import fcntl
 import hashlib
 import shutil
 import tempfile
+import uuid
 from pathlib import Path
 
 import flytekit
@@ -13,6 +14,8 @@ from flytekit.core.context_manager import FlyteContextManager
 from flytekit.types.directory import FlyteDirectory
 
 NODE_CACHE = Path(tempfile.gettempdir()) / "flyte-torch-pipeline"
+# The execution id name flytekit gives every execution outside a cluster (FlyteContextManager.initialize).
+LOCAL_EXECUTION_NAME = "local"
 
 
 def is_uri(location: str) -> bool:
@@ -48,10 +51,18 @@ def local_directory(directory: FlyteDirectory) -> Path:
 
 
 def default_checkpoint_root() -> str:
-    """``<raw output prefix>/checkpoints/<execution id>``: stable across Flyte retries of the train node.
+    """``<raw output prefix>/checkpoints/<key>``: one root per execution, stable across Flyte retries.
 
-    Called where the train node is created (the launching @dynamic), so a retried attempt receives the
-    same root as an input and resumes from the last complete checkpoint in it.
+    The key is the execution id's name in a cluster. Outside one (local ``pyflyte run``, or anything run
+    without FLYTE_INTERNAL_EXECUTION_ID) flytekit names every execution ``local``, and two runs with the same
+    raw output prefix would share a root: the second would resume from the first's checkpoints. There the
+    key is ``local-<12 random hex digits>``, new on every call.
+
+    Called once, where the train node is created (the launching @dynamic), so a retried attempt receives
+    the same root as an input and resumes from the last complete checkpoint in it.
     """
     ctx = flytekit.current_context()
-    return f"{ctx.raw_output_prefix.rstrip('/')}/checkpoints/{ctx.execution_id.name}"
+    key = ctx.execution_id.name
+    if key == LOCAL_EXECUTION_NAME:
+        key = f"{LOCAL_EXECUTION_NAME}-{uuid.uuid4().hex[:12]}"
+    return f"{ctx.raw_output_prefix.rstrip('/')}/checkpoints/{key}"

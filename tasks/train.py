@@ -1,15 +1,13 @@
 """Distributed training: a torch-elastic Flyte task whose width is a launch-time input.
 
-Why a task per Topology and a resolver: flytekit fixes an Elastic task's type ("python-task" for one node,
-"pytorch" for a PyTorchJob) and its node range when the task object is built, and a pod rebuilds its task
-from code; ``with_overrides(task_config=...)`` changes neither (it serialises a one-node "python-task"
-with a multi-node custom). So :func:`train_task_for` builds one task per topology, and the pod's command
-carries the topology for :data:`elastic_task_resolver` to rebuild exactly that task.
+One task object per Topology (tasks/launch.py builds them and rebuilds them in a pod or a Slurm job from
+the task key their command carries): flytekit fixes an Elastic task's type and node range when the task
+object is built.
 """
 
 from __future__ import annotations
 
-import functools
+import hashlib
 import json
 import os
 import signal
@@ -19,7 +17,7 @@ from pathlib import Path
 import flytekit
 import torch.distributed as dist
 from flytekit import Resources, Secret
-from flytekit.core.base_task import TaskMetadata, TaskResolverMixin
+from flytekit.core.base_task import TaskMetadata
 from flytekit.exceptions.user import FlyteRecoverableException, FlyteUserRuntimeException
 from flytekit.extras.accelerators import GPUAccelerator
 from flytekit.types.directory import FlyteDirectory
@@ -28,8 +26,8 @@ from flytekitplugins.kfpytorch.task import PytorchElasticFunctionTask
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 from torch.distributed.elastic.rendezvous.api import RendezvousError
 
-from tasks.backends import ELASTIC_BACKENDS
 from tasks.mirror import local_checkpoint_root, synced_checkpoints
+from tasks.rendezvous import rendezvous_failure
 from tasks.storage import is_uri, local_directory
 from tasks.types import StagedDataset, Topology, TrainResult
 from traincore.config import Config
@@ -90,7 +88,7 @@ class ElasticTrainTask(PytorchElasticFunctionTask):
     """The Elastic task plus what must happen once per node, around the worker processes."""
 
     def __init__(self, topology: Topology, wandb_secret: bool):
-        self.key = task_key(topology, wandb_secret)
+        self.topology, self.wandb_secret = topology, wandb_secret
         timeout = topology.rdzv_timeout_s
         super().__init__(
             task_config=Elastic(
@@ -106,12 +104,9 @@ class ElasticTrainTask(PytorchElasticFunctionTask):
                                mem=f"{MEM_GIB_PER_PROCESS * topology.nproc_per_node}Gi",
                                gpu=str(topology.gpus_per_node) if topology.gpus_per_node else None),
             accelerator=GPUAccelerator(topology.accelerator) if topology.accelerator else None,
-            secret_requests=[WANDB_SECRET] if wandb_secret else None)
-        # Set after construction: inside a @dynamic, flytekit would replace a resolver passed to __init__
-        # with the compilation context's default one, which rebuilds the module's default topology instead.
-        self.set_resolver(elastic_task_resolver)
-        gpus = f"-gpu{topology.gpus_per_node}" if topology.gpus_per_node else ""
-        self._name = f"{__name__}.train-{topology.nnodes}x{topology.nproc_per_node}{gpus}"
+            secret_requests=[WANDB_SECRET] if wandb_secret else None,
+            environment=restart_environment(topology))
+        self._name = task_name(topology, wandb_secret)
 
     @property
     def name(self) -> str:
@@ -127,7 +122,7 @@ class ElasticTrainTask(PytorchElasticFunctionTask):
             try:
                 return super().execute(**kwargs)
             except RendezvousError as exc:  # not every node came up in time: a retry may find them
-                raise FlyteRecoverableException(f"rendezvous failed: {exc}") from exc
+                raise FlyteRecoverableException(self._rendezvous_failure(exc)) from exc
             except FlyteUserRuntimeException as exc:  # the plugin's verdict on a failed worker group
                 vanished = vanished_workers(exc.value) if isinstance(exc.value, ChildFailedError) else []
                 if vanished:  # infrastructure, not the user's code: Flyte's retries apply
@@ -136,28 +131,34 @@ class ElasticTrainTask(PytorchElasticFunctionTask):
                         f"killer, eviction); a retry resumes from the checkpoint root:\n{exc}") from exc
                 raise
 
+    def _rendezvous_failure(self, error: RendezvousError) -> str:
+        """What timed out, where, and how many nodes of how many arrived: torch's own message is often empty.
 
-class ElasticTaskResolver(TaskResolverMixin):
-    """Rebuilds a topology's train task in the pod from the arguments its command carries."""
-
-    @property
-    def location(self) -> str:
-        return f"{__name__}.elastic_task_resolver"
-
-    def name(self) -> str:
-        return "ElasticTaskResolver"
-
-    def loader_args(self, settings, t: ElasticTrainTask) -> list[str]:
-        return ["task-key", t.key]
-
-    def load_task(self, loader_args: list[str]) -> ElasticTrainTask:
-        return _task_from_key(loader_args[1])
-
-    def get_all_tasks(self) -> list[ElasticTrainTask]:
-        return [train_task]
+        The endpoint and run id are the ones the plugin's execute gave elastic_launch (the kfpytorch task,
+        flytekitplugins-kfpytorch 1.16); the node count is read back from the c10d store, best effort. Call
+        it while ``error`` is being handled: when this node hosted the store, the store lives only as long as
+        the failed launcher's frames, which the error's traceback holds (checked with torch 2.14).
+        """
+        configs = self.task_config.rdzv_configs
+        return rendezvous_failure(
+            error, endpoint=os.environ.get("PET_RDZV_ENDPOINT", "localhost:0"),
+            run_id=flytekit.current_context().execution_id.name,
+            timeout_s=configs.get("join_timeout", configs.get("timeout")),
+            min_nodes=self.min_nodes, max_nodes=self.max_nodes)
 
 
-elastic_task_resolver = ElasticTaskResolver()
+def restart_environment(topology: Topology) -> dict[str, str]:
+    """Env for in-place restarts across nodes: a pod the operator recreates must be able to rejoin.
+
+    With torch's default, the workers share the agent's rendezvous TCPStore, and a surviving agent keeps the
+    store address it published in the first round without publishing it again; a replacement pod's agent
+    then waits for it until the rendezvous timeout (tests/replay/test_pod_restarts.py). Opting out makes
+    rank 0 publish its own store address in every round. Only for several nodes with restarts allowed:
+    elsewhere the default is the tested path.
+    """
+    if topology.nnodes > 1 and topology.max_restarts > 0:
+        return {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
+    return {}
 
 
 def task_key(topology: Topology, wandb_secret: bool) -> str:
@@ -165,18 +166,22 @@ def task_key(topology: Topology, wandb_secret: bool) -> str:
     return json.dumps({"topology": asdict(topology), "wandb_secret": wandb_secret}, sort_keys=True)
 
 
-def train_task_for(topology: Topology, config: Config) -> ElasticTrainTask:
-    """The train task for ``topology.backend`` (checked by plan_run): where a new backend (Slurm) plugs in."""
-    assert topology.backend in ELASTIC_BACKENDS, (
-        f"plan_run admits only known backends, got {topology.backend!r}")
-    return _task_from_key(task_key(topology, config.telemetry.wandb_mode == "online"))
-
-
-@functools.cache
-def _task_from_key(key: str) -> ElasticTrainTask:
-    spec = json.loads(key)
-    return ElasticTrainTask(Topology(**spec["topology"]), spec["wandb_secret"])
-
-
-# The registered default (one node, two processes): `pyflyte package` serialises it, and it can be run alone.
-train_task = train_task_for(Topology(), Config())
+def task_name(topology: Topology, wandb_secret: bool) -> str:
+    """``tasks.train.train-<backend>-<nodes>x<procs>[-...]``: every part of the task key that changes the
+    template, so two different templates never share a task ID; parts at their default are left out."""
+    default = Topology()
+    parts = [topology.backend, f"{topology.nnodes}x{topology.nproc_per_node}"]
+    if topology.gpus_per_node:
+        parts.append(f"gpu{topology.gpus_per_node}")
+    if topology.accelerator:
+        parts.append(topology.accelerator)
+    if topology.max_restarts:
+        parts.append(f"restarts{topology.max_restarts}")
+    if topology.rdzv_timeout_s != default.rdzv_timeout_s:
+        parts.append(f"rdzv{topology.rdzv_timeout_s}s")
+    if topology.slurm != default.slurm:  # free text (set-up lines, flags): a digest keeps the name short
+        settings = json.dumps(asdict(topology.slurm), sort_keys=True).encode()
+        parts.append(hashlib.sha256(settings).hexdigest()[:10])
+    if wandb_secret:
+        parts.append("wandb")
+    return f"{__name__}.train-{'-'.join(parts)}"

@@ -7,7 +7,7 @@ directories, so each concept has one record and one conversion.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from flytekit.types.directory import FlyteDirectory
@@ -16,6 +16,18 @@ from traincore.data import Manifest
 from traincore.evaluate import EvalResult
 from traincore.export import ExportResult
 from traincore.train import TrainSummary
+
+
+@dataclass
+class SlurmSettings:
+    """Where and how a Slurm job runs; only the ``slurm`` backend reads it."""
+
+    target: str = ""  # ssh Host alias (or host name) of the cluster's login node
+    partition: str = ""  # empty = the cluster's default partition
+    account: str = ""  # empty = the user's default account
+    time_limit: str = ""  # sbatch --time, e.g. "02:00:00"; empty = the partition's default
+    sbatch_flags: str = ""  # extra sbatch flags, shell syntax, e.g. "--qos=high --exclusive"
+    setup: str = ""  # shell lines the job runs first, e.g. "module load cuda; source ~/venv/bin/activate"
 
 
 @dataclass
@@ -29,6 +41,12 @@ class Topology:
     accelerator: str = ""  # e.g. nvidia-tesla-a100; empty = any GPU the cluster has
     max_restarts: int = 0  # torch-elastic restarts of the worker group inside one Flyte attempt
     rdzv_timeout_s: int = 900  # generous: pods may wait for a node scale-up or an image pull
+    slurm: SlurmSettings = field(default_factory=SlurmSettings)
+
+    @classmethod
+    def from_dict(cls, data: dict) -> Topology:
+        """The inverse of ``dataclasses.asdict`` (task keys carry topologies as JSON)."""
+        return cls(**{**data, "slurm": SlurmSettings(**data.get("slurm", {}))})
 
 
 @dataclass

@@ -12,10 +12,10 @@ from flytekit import dynamic, workflow
 
 from tasks.evaluate import evaluate_model
 from tasks.export import export_model
+from tasks.launch import train_task_for
 from tasks.plan import plan_run
 from tasks.stage import stage_dataset
 from tasks.storage import default_checkpoint_root
-from tasks.train import train_task_for
 from tasks.types import EvalReport, ModelArtifact, StagedDataset, Topology, TrainResult
 from traincore.config import Config
 
@@ -47,6 +47,12 @@ def training_pipeline(
     accelerator: str = "",
     max_restarts: int = 0,
     checkpoint_uri: str = "",
+    slurm_target: str = "",
+    slurm_partition: str = "",
+    slurm_account: str = "",
+    slurm_time_limit: str = "",
+    slurm_sbatch_flags: str = "",
+    slurm_setup: str = "",
 ) -> PipelineOutputs:
     """Train an image classifier with PyTorch DDP: stage the data, train, export and evaluate the model.
 
@@ -56,14 +62,22 @@ def training_pipeline(
         config_overrides: JSON applied on top of the preset, e.g. '{"loader": {"batch_size": 64}}'.
         epochs: Train for this many epochs (0 keeps the preset's length).
         max_steps: Train for exactly this many optimizer steps instead of epochs (0 = use epochs).
-        backend: Where to train: 'local' (this machine) or 'kubernetes' (a PyTorchJob); 'slurm' is planned.
-        nnodes: Number of nodes (pods); more than 1 needs backend 'kubernetes'.
+        backend: Where to train: 'local' (this machine), 'kubernetes' (a PyTorchJob) or 'slurm' (a batch job
+            submitted over SSH to slurm_target).
+        nnodes: Number of nodes (pods or Slurm nodes); more than 1 needs backend 'kubernetes' or 'slurm'.
         nproc_per_node: Training processes per node (one per GPU on GPU nodes).
         gpus_per_node: GPUs requested per node (0 = CPU training).
         accelerator: GPU type to run on, e.g. 'nvidia-tesla-a100' (empty = any); needs gpus_per_node >= 1.
         max_restarts: torch-elastic restarts of the worker group before the attempt fails.
         checkpoint_uri: Durable checkpoint root (path or s3://, gs://...); empty = keyed by execution id under
             the raw output prefix. A retry or relaunch with the same root resumes from its latest checkpoint.
+        slurm_target: backend 'slurm': ssh Host alias (~/.ssh/config) or hostname of the login node.
+        slurm_partition: backend 'slurm': partition (empty = the cluster's default).
+        slurm_account: backend 'slurm': account to charge (empty = your default).
+        slurm_time_limit: backend 'slurm': sbatch --time, e.g. '02:00:00' (empty = the partition's).
+        slurm_sbatch_flags: backend 'slurm': extra sbatch flags, e.g. '--qos=high --exclusive'.
+        slurm_setup: backend 'slurm': shell lines the job runs first, e.g. 'module load cuda; source
+            ~/venv/bin/activate' (empty in a local run = activate this run's virtualenv).
 
     Returns:
         model: The exported model (model.safetensors, its config JSON and sha256).
@@ -72,7 +86,9 @@ def training_pipeline(
     plan = plan_run(source=source, preset=preset, config_overrides=config_overrides, epochs=epochs,
                     max_steps=max_steps, backend=backend, nnodes=nnodes, nproc_per_node=nproc_per_node,
                     gpus_per_node=gpus_per_node, accelerator=accelerator, max_restarts=max_restarts,
-                    checkpoint_uri=checkpoint_uri)
+                    checkpoint_uri=checkpoint_uri, slurm_target=slurm_target, slurm_partition=slurm_partition,
+                    slurm_account=slurm_account, slurm_time_limit=slurm_time_limit,
+                    slurm_sbatch_flags=slurm_sbatch_flags, slurm_setup=slurm_setup)
     dataset = stage_dataset(data=plan.data)
     trained = train_on_backend(config=plan.config, dataset=dataset, topology=plan.topology,
                                checkpoint_uri=checkpoint_uri)

@@ -37,9 +37,9 @@ import traincore.evaluate
 import traincore.export
 import traincore.stage
 import traincore.train
+from tasks.launch import train_task_for
 from tasks.plan import plan_run
 from tasks.stage import stage_dataset
-from tasks.train import train_task_for
 from tasks.types import StagedDataset, Topology
 from traincore.checkpoint_files import MARKER, verify_checkpoint
 from traincore.config import DataConfig
@@ -54,7 +54,9 @@ REPO = Path(__file__).resolve().parents[2]
 CONFIG = preset("debug").with_overrides(TINY)
 COMPLETE_LOOKING = (MANIFEST, MARKER, WEIGHTS_FILE)  # what declares a staging, a checkpoint, an export done
 PLAN = dict(source="digits", preset="digits", config_overrides="", epochs=0, max_steps=0, backend="local",
-            nnodes=1, nproc_per_node=1, gpus_per_node=0, accelerator="", max_restarts=0, checkpoint_uri="")
+            nnodes=1, nproc_per_node=1, gpus_per_node=0, accelerator="", max_restarts=0, checkpoint_uri="",
+            slurm_target="", slurm_partition="", slurm_account="", slurm_time_limit="", slurm_sbatch_flags="",
+            slurm_setup="")
 
 
 def tiny(**sections: dict) -> str:
@@ -388,8 +390,13 @@ CASES = [
     # -- training_pipeline's inputs ----------------------------------------------------------------------
     Case("workflow-epochs-and-max-steps", "workflow", lambda e: dict(epochs=2, max_steps=5),
          ("epochs=2 and max_steps=5",), ("give one of them",)),
-    Case("workflow-slurm-backend", "workflow", lambda e: dict(backend="slurm"),
-         ("input backend='slurm'", "not yet supported"), ("use one of local",)),
+    Case("workflow-slurm-without-target", "workflow", lambda e: dict(backend="slurm"),
+         ("input backend='slurm' needs slurm_target",), ("scripts/slurm-loopback up",)),
+    Case("workflow-slurm-unknown-alias", "workflow",
+         lambda e: dict(backend="slurm", slurm_target="no-such-cluster-alias"),
+         ("slurm_target='no-such-cluster-alias'", "neither a Host alias"), ("add a Host entry",)),
+    Case("workflow-slurm-inputs-without-slurm", "workflow", lambda e: dict(slurm_partition="gpu"),
+         ("inputs slurm_* are set but backend='local'",), ("set backend='slurm'",)),
     Case("workflow-zero-processes", "workflow", lambda e: dict(nproc_per_node=0),
          ("input nproc_per_node=0",), ("must be >= 1",)),
     Case("workflow-text-for-a-bool", "workflow",

@@ -1,7 +1,7 @@
 """Flyte retries of the train task, emulated with real processes.
 
 Each attempt runs the command the task serialises (``pyflyte-execute ... --resolver
-tasks.train.elastic_task_resolver ...``) in a fresh process, with the same inputs.pb and durable checkpoint
+tasks.launch.train_task_resolver ...``) in a fresh process, with the same inputs.pb and durable checkpoint
 root and ``FLYTE_ATTEMPT_NUMBER`` set as a pod gets it (flytekit 1.16 does not read it). Its verdict is the
 error document it writes: propeller retries an error of kind RECOVERABLE while retries are left and fails the
 node on NON_RECOVERABLE. Workers are real spawned processes, so the test can kill one.
@@ -32,7 +32,7 @@ from faultlib import (
     write_flyte_inputs,
 )
 
-from tasks.train import train_task_for
+from tasks.launch import train_task_for
 from tasks.types import StagedDataset, Topology
 from traincore.checkpoint_files import complete_steps
 from traincore.data import Manifest

@@ -51,7 +51,7 @@ import json
 import sys
 from dataclasses import asdict
 
-from tasks.train import train_task_for
+from tasks.launch import train_task_for
 from tasks.types import StagedDataset, Topology
 from traincore.data import Manifest
 from traincore.train import build_config, parse_args

@@ -42,7 +42,8 @@ from faultlib import (
 )
 from torch import nn
 
-from tasks.train import WANDB_SECRET, train_task_for
+from tasks.launch import train_task_for
+from tasks.train import WANDB_SECRET
 from tasks.types import StagedDataset, Topology
 from traincore.checkpoint import Checkpointer
 from traincore.checkpoint_files import STATE_FILE, CheckpointError, complete_steps, step_dir, write_marker
@@ -236,7 +237,7 @@ def test_pyflyte_package_serialises_no_key_from_the_environment(packaging):
     with tarfile.open(tmp / "flyte-package.tgz") as tar:
         tar.extractall(unpacked, filter="data")
     specs = [p.name for p in unpacked.rglob("*.pb")]
-    assert any("tasks.train.train-1x2" in name for name in specs), specs
+    assert any("tasks.train.train-local-1x2" in name for name in specs), specs
     for key in packaging.keys:
         found, searched = leaks(key, tmp / "stdout", tmp / "stderr", unpacked, tmp / "home")
         assert not found and searched >= len(specs), found

@@ -15,15 +15,9 @@ from pathlib import Path
 
 import pytest
 
-from tasks.slurm_client import (
-    JobInfo,
-    Outcome,
-    SlurmClient,
-    SlurmConnectionError,
-    SlurmError,
-    SlurmTarget,
-    connect,
-)
+from tasks.slurm_client import SlurmClient
+from tasks.slurm_ssh import SlurmConnectionError, SlurmTarget, connect
+from tasks.slurm_states import JobInfo, Outcome, SlurmError
 
 pytestmark = pytest.mark.slurm
 

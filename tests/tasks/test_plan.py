@@ -20,7 +20,8 @@ from traincore.presets import preset
 
 PLAN_DEFAULTS = dict(source="digits", preset="digits", config_overrides="", epochs=0, max_steps=0,
                      backend="local", nnodes=1, nproc_per_node=2, gpus_per_node=0, accelerator="",
-                     max_restarts=0, checkpoint_uri="")
+                     max_restarts=0, checkpoint_uri="", slurm_target="", slurm_partition="",
+                     slurm_account="", slurm_time_limit="", slurm_sbatch_flags="", slurm_setup="")
 
 
 def test_build_config_layers_preset_overrides_and_inputs():
@@ -56,11 +57,11 @@ def test_missing_dataset_path_is_named(tmp_path):
 
 @pytest.mark.parametrize("changes, local_run, message", [
     (dict(backend="mesos"), True, r"input backend='mesos' is unknown"),
-    (dict(backend="slurm"), True, r"input backend='slurm' is not yet supported"),
+    (dict(nnodes=2, backend="local"), True, r"input nnodes=2 needs backend=.kubernetes. or .slurm."),
     (dict(nproc_per_node=0), True, r"input nproc_per_node=0 is invalid"),
     (dict(nnodes=0), True, r"input nnodes=0 is invalid"),
     (dict(gpus_per_node=-1), True, r"input gpus_per_node=-1"),
-    (dict(nnodes=2), False, r"input nnodes=2 needs backend='kubernetes'"),
+    (dict(nnodes=2), False, r"input nnodes=2 needs backend='kubernetes' or 'slurm'"),
     (dict(nnodes=2, backend="kubernetes"), True, r"input nnodes=2 needs a Flyte cluster"),
     (dict(accelerator="nvidia-tesla-a100"), True,
      r"input accelerator='nvidia-tesla-a100' needs gpus_per_node"),
@@ -121,7 +122,7 @@ def test_nccl_needs_gpus(monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     with pytest.raises(LaunchInputError, match=r"dist.backend='nccl' needs GPUs, but this machine has no"):
         check_backend(nccl, Topology(), local_run=True)
-    with pytest.raises(LaunchInputError, match=r"gpus_per_node=0 gives the pods no GPU.*request GPUs"):
+    with pytest.raises(LaunchInputError, match=r"gpus_per_node=0 gives the nodes no GPU.*request GPUs"):
         check_backend(nccl, Topology(backend="kubernetes"), local_run=False)
     check_backend(nccl, Topology(backend="kubernetes", gpus_per_node=2, nproc_per_node=2), local_run=False)
     check_backend(preset("digits"), Topology(), local_run=True)  # auto: gloo without CUDA

@@ -24,17 +24,14 @@ from pathlib import Path
 import asyncssh
 import pytest
 
-from tasks.slurm_client import (
+from tasks.slurm_client import SlurmClient
+from tasks.slurm_ssh import SlurmConnectionError, SlurmTarget, connect, host_alias_known
+from tasks.slurm_states import (
     JobInfo,
     JobNotFoundError,
     Outcome,
-    SlurmClient,
-    SlurmConnectionError,
     SlurmError,
-    SlurmTarget,
     classify_states,
-    connect,
-    host_alias_known,
     normalise_state,
     parse_exit_code,
     parse_sacct,
@@ -533,7 +530,7 @@ def test_submit_uploads_the_script_and_returns_the_id(ssh_home, tmp_path):
                                         ["--nodes", "2", "--job-name", "a b"])
         assert job_id == "4242"
         command = node.commands[-1]
-        expected = f"cd {remote} && sbatch --parsable --nodes 2 --job-name 'a b' {remote}/job-"
+        expected = f"cd {remote} && sbatch --parsable --nodes 2 --job-name 'a b' job-"
         assert command.startswith(expected)
         [script] = remote.glob("job-*.sbatch")
         assert script.read_text() == "#!/bin/bash\necho hi\n"

@@ -1,12 +1,16 @@
-"""Local views of FlyteDirectory inputs: in place when local, one download per node when remote."""
+"""Local views of FlyteDirectory inputs (in place when local, one download per node when remote) and the
+default checkpoint root (one per execution)."""
 
 from __future__ import annotations
 
 import pickle
+import re
 
-from flytekit.core.context_manager import FlyteContextManager
+import flytekit
+from flytekit.core.context_manager import ExecutionParameters, FlyteContextManager
 from flytekit.core.data_persistence import FileAccessProvider
 from flytekit.core.type_engine import TypeEngine
+from flytekit.models.core.identifier import WorkflowExecutionIdentifier
 from flytekit.types.directory import FlyteDirectory
 
 import tasks.storage as storage
@@ -48,3 +52,24 @@ def test_remote_directories_download_once_per_node(tmp_path, monkeypatch):
     assert (first / "train-00000.u8").read_bytes() == bytes(range(256))
     assert not list((tmp_path / "node-cache").glob("*.partial"))
     fs.rm("memory://bucket/staged", recursive=True)
+
+
+def test_local_executions_get_a_checkpoint_root_of_their_own():
+    prefix = flytekit.current_context().raw_output_prefix.rstrip("/")
+    assert flytekit.current_context().execution_id.name == "local"  # flytekit's placeholder outside a cluster
+    first, second = storage.default_checkpoint_root(), storage.default_checkpoint_root()
+    assert first != second
+    for root in (first, second):
+        assert re.fullmatch(rf"{re.escape(prefix)}/checkpoints/local-[0-9a-f]{{12}}", root), root
+
+
+def test_cluster_executions_key_the_checkpoint_root_by_execution_id():
+    ctx = FlyteContextManager.current_context()
+    params = ExecutionParameters.new_builder(ctx.user_space_params)
+    params.execution_id = WorkflowExecutionIdentifier(project="flytesnacks", domain="development",
+                                                      name="f3a9c1e2b4d5")
+    params.raw_output_prefix = "s3://bucket/raw/"
+    state = ctx.new_execution_state().with_params(user_space_params=params.build())
+    with FlyteContextManager.with_context(ctx.with_execution_state(state)):
+        roots = {storage.default_checkpoint_root() for _ in range(2)}  # what a retried attempt would compute
+    assert roots == {"s3://bucket/raw/checkpoints/f3a9c1e2b4d5"}

@@ -10,8 +10,8 @@ import pytest
 
 from tasks.evaluate import deck_html, evaluate_model
 from tasks.export import export_model
+from tasks.launch import train_task_for
 from tasks.report import read_metrics
-from tasks.train import train_task_for
 from tasks.types import StagedDataset, Topology
 from traincore.data import Manifest
 from traincore.evaluate import evaluate

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import signal
+from dataclasses import replace
 
 import flytekit
 import pytest
@@ -15,8 +16,9 @@ from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, P
 from torch.distributed.elastic.rendezvous.api import RendezvousTimeoutError
 
 import tasks.train as train_module
-from tasks.train import ElasticTrainTask, train_task, train_task_for, vanished_workers
-from tasks.types import StagedDataset, Topology
+from tasks.launch import train_task, train_task_for
+from tasks.train import ElasticTrainTask, vanished_workers
+from tasks.types import SlurmSettings, StagedDataset, Topology
 from traincore.config import ConfigError
 from traincore.data import Manifest
 from traincore.presets import preset
@@ -82,10 +84,24 @@ def test_one_task_per_topology_with_matching_elastic_config():
     assert (task.min_nodes, task.max_nodes, task.task_config.nproc_per_node) == (3, 3, 4)
     assert task.task_config.rdzv_configs == {"timeout": 1200, "join_timeout": 1200, "read_timeout": 1200}
     assert not task.task_config.increase_shared_mem and task.shared_memory is True
-    assert task.name == "tasks.train.train-3x4-gpu4"
+    assert task.name == "tasks.train.train-kubernetes-3x4-gpu4-rdzv1200s"
+    assert train_task.name == "tasks.train.train-local-1x2"
     online = preset("digits").with_overrides({"telemetry.wandb_mode": "online"})
     assert [s.group for s in train_task_for(wide, online).security_context.secrets] == ["wandb"]
     assert not task.security_context or not task.security_context.secrets
+
+
+def test_task_names_differ_wherever_templates_differ():
+    base = Topology(backend="kubernetes", nnodes=2)
+    variants = [base, replace(base, backend="local"), replace(base, max_restarts=1),
+                replace(base, rdzv_timeout_s=60), replace(base, gpus_per_node=2, nproc_per_node=2),
+                replace(base, gpus_per_node=2, nproc_per_node=2, accelerator="nvidia-h100"),
+                replace(base, backend="slurm", slurm=SlurmSettings(target="a")),
+                replace(base, backend="slurm", slurm=SlurmSettings(target="a", setup="module load cuda"))]
+    names = {train_task_for(t, preset("digits")).name for t in variants}
+    online = preset("digits").with_overrides({"telemetry.wandb_mode": "online"})
+    names.add(train_task_for(base, online).name)
+    assert len(names) == len(variants) + 1, names
 
 
 def test_resolver_rebuilds_the_same_task_from_its_command():

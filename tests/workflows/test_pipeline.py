@@ -62,7 +62,7 @@ def test_rerun_hits_the_staging_cache(first_run, monkeypatch, tmp_path):
 
 @pytest.mark.parametrize("bad, named", [
     (dict(backend="mesos"), "input backend='mesos' is unknown"),
-    (dict(backend="slurm"), "input backend='slurm' is not yet supported"),
+    (dict(backend="slurm"), "input backend='slurm' needs slurm_target"),
     (dict(nproc_per_node=0), "input nproc_per_node=0"),
     (dict(nnodes=2), "input nnodes=2 needs backend='kubernetes'"),
     (dict(source="imagefolder:/no/such/images"), "input source='imagefolder:/no/such/images'"),

@@ -1,0 +1,12 @@
+"""Replay a registered workflow (a `pyflyte package` archive) node by node, the way a Flyte cluster runs it.
+
+What is registered is what runs: every task starts from its serialised container args in a fresh process,
+with the environment and storage layout a Flyte pod gets, and multi-node pytorch tasks start one process
+per worker replica of the PyTorchJob that Flyte's kfoperators plugin would create. See ``python -m replay
+--help`` and the README section "Replaying a registration locally".
+
+Modules: ``package`` (the archive), ``store`` (object store and propeller's paths), ``literals`` (launch
+inputs, bindings, output display), ``pod`` (one container as a process), ``pytorchjob`` (the PyTorchJob
+manifest and its worker pods), ``graph`` (the workflow walk and dynamic expansion), ``cli``, ``retry`` (one
+node rerun as a later attempt; single pods restarted from their pod.json).
+"""

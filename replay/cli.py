@@ -1,0 +1,133 @@
+"""``python -m replay PACKAGE.tgz [--input NAME=VALUE ...]``: replay a `pyflyte package` archive node by
+node, the way a Flyte cluster runs it."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import tempfile
+import time
+import uuid
+from pathlib import Path
+
+from replay import literals
+from replay.graph import NodeFailed, Replay
+from replay.package import PackageError, read_package
+from replay.store import Execution, Store
+
+DEFAULT_PLAN = "workflows.pipeline.training_pipeline"
+EPILOG = """\
+Each task runs from its serialised container args in a fresh process (one per worker replica of a
+PyTorchJob) with a Flyte pod's environment; pod directories, logs and the exact command of every pod
+(pods/<pod>/pod.json: args, env, cwd) stay under --workdir, so one pod can be rerun by hand or inside an
+image. Exit status: 0 on success, 1 when a node fails or a multi-pod world does not form, 2 on bad usage.
+
+examples:
+  pyflyte --pkgs workflows package --image IMG --copy all -o pkg.tgz   # fast registration
+  python -m replay pkg.tgz --input max_steps=20 --input nproc_per_node=1
+  python -m replay pkg.tgz --workdir /tmp/r --input backend=kubernetes --input nnodes=2 \\
+      --input nproc_per_node=1 --input max_steps=20
+"""
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    description = __doc__.split(":", 1)[1].strip().replace("\n", " ")
+    parser = argparse.ArgumentParser(prog="python -m replay", description=description, epilog=EPILOG,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("package", type=Path,
+                        help="a `pyflyte package` archive, fast-registered (--copy all) or not")
+    parser.add_argument("--input", "-i", action="append", default=[], metavar="NAME=VALUE",
+                        help="override a launch-plan input (int, float, str or bool inputs); repeatable")
+    parser.add_argument("--launch-plan", default=DEFAULT_PLAN,
+                        help=f"launch plan to run (default: {DEFAULT_PLAN})")
+    parser.add_argument("--workdir", type=Path, help="where pods, logs and the store go (default: a new "
+                        "temporary directory)")
+    parser.add_argument("--store", help="object store root: a directory or s3://bucket/prefix (default: "
+                        "WORKDIR/store); for s3 set FLYTE_AWS_ENDPOINT and the FLYTE_AWS_* credentials")
+    parser.add_argument("--project", default="flytesnacks", help="project to register into (%(default)s)")
+    parser.add_argument("--domain", default="development", help="domain to register into (%(default)s)")
+    parser.add_argument("--version", default="replay", help="version given to every registered entity")
+    parser.add_argument("--python-bin", type=Path, default=Path(sys.executable).parent,
+                        help="directory put first on the pods' PATH, standing in for the image's (default: "
+                        "this interpreter's)")
+    parser.add_argument("--node-timeout", type=float, default=1800, help="seconds before a node's pods are "
+                        "killed (default 1800)")
+    parser.add_argument("--echo", action="store_true", help="stream every pod's output, prefixed by its name")
+    parser.add_argument("--summary-json", type=Path, help="write node wall times and outputs here as JSON")
+    return parser.parse_args(argv)
+
+
+def _overrides(pairs: list[str]) -> dict[str, str]:
+    out = {}
+    for pair in pairs:
+        name, sep, value = pair.partition("=")
+        if not sep or not name:
+            raise literals.InputError(f"--input {pair!r}: expected NAME=VALUE")
+        out[name] = value
+    return out
+
+
+def replay_package(args: argparse.Namespace) -> dict:
+    """Replay the launch plan; returns the summary (node timings and decoded outputs)."""
+    workdir = (args.workdir or Path(tempfile.mkdtemp(prefix="replay-"))).resolve()
+    workdir.mkdir(parents=True, exist_ok=True)
+    package = read_package(args.package, workdir / "package")
+    plan = package.launch_plan(args.launch_plan)
+    workflow = package.workflows[plan.spec.workflow_id.name]
+    inputs = literals.launch_inputs(plan, _overrides(args.input))
+    for template in package.tasks.values():  # what `flytectl register files` does to every entity
+        template.id.project, template.id.domain, template.id.version = args.project, args.domain, args.version
+    store = Store(args.store or str(workdir / "store"))
+    name = "f" + uuid.uuid4().hex[:19]  # Flyte's execution names: 20 characters, starting with a letter
+    execution = Execution(args.project, args.domain, name, workflow.id.name, args.version)
+    code = None
+    if package.fast:  # flytectl uploads the code tarball and writes its location into the task args
+        code = store.join("fast", args.version, package.code_tarball.name)
+        store.write(code, package.code_tarball.read_bytes())
+    print(f"replay: {args.package.name} ({'fast' if package.fast else 'non-fast'} registration), launch plan "
+          f"{plan.id.name}, execution {execution.name}, workdir {workdir}", flush=True)
+    replay = Replay(store, execution, workdir, args.python_bin.resolve(), code, args.node_timeout, args.echo)
+    started = time.monotonic()
+    outputs = replay.run_nodes(workflow.nodes, package.tasks, {literals.START_NODE: inputs})
+    final = literals.bind_inputs(workflow.outputs, outputs)
+    return {"execution": execution.name, "workdir": str(workdir), "fast": package.fast,
+            "total_s": time.monotonic() - started,
+            "nodes": [vars(t) for t in replay.timings],
+            "outputs": {k: literals.to_python(v) for k, v in final.literals.items()},
+            "node_outputs": {node: {k: literals.to_python(v) for k, v in out.literals.items()}
+                             for node, out in replay.node_outputs.items()}}
+
+
+def report(summary: dict) -> None:
+    """Each node's wall time and the workflow's outputs (accuracy first)."""
+    print("replay: node wall times")
+    for node in summary["nodes"]:
+        writer = f"  (outputs.pb from {node['writer']}, global rank 0)" if node["writer"] else ""
+        print(f"  {node['node_id']:<10} {node['task']:<45} {node['pods']} pod(s) {node['wall_s']:7.1f} s"
+              + writer)
+    print(f"  {'total':<65} {summary['total_s']:7.1f} s")
+    for name, value in summary["outputs"].items():
+        accuracy = literals.find_values(value, "accuracy")
+        if accuracy:
+            print(f"replay: output {name}: accuracy {accuracy[0]:.4f}")
+    print("replay: outputs " + json.dumps(summary["outputs"], default=str)[:2000], flush=True)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    try:
+        summary = replay_package(args)
+    except (PackageError, literals.InputError, FileNotFoundError) as exc:
+        print(f"replay: error: {exc}", file=sys.stderr)
+        return 2
+    except NotImplementedError as exc:
+        print(f"replay: error: the package uses what the replay does not support: {exc}", file=sys.stderr)
+        return 2
+    except NodeFailed as exc:
+        print(f"replay: FAILED: {exc}", file=sys.stderr)
+        return 1
+    report(summary)
+    if args.summary_json:
+        args.summary_json.write_text(json.dumps(summary, indent=1, default=str))
+    return 0

@@ -1,0 +1,193 @@
+"""Walk a workflow as propeller does: nodes in dependency order, bindings resolved from earlier outputs,
+dynamic nodes expanded from their futures.pb (DynamicJobSpec), pytorch tasks run as a PyTorchJob."""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from flyteidl.core import dynamic_job_pb2, errors_pb2, literals_pb2, tasks_pb2
+
+from replay import literals, pytorchjob
+from replay.pod import PodResult, PodSpec, flyte_env, render_args, run_pods
+from replay.store import ERROR, FUTURES, OUTPUTS, Execution, NodePaths, Store
+
+IGNORE_OUTPUTS = "IgnoreOutputs received"  # flytekit's entrypoint logs this when a pod must not write outputs
+
+
+class NodeFailed(RuntimeError):
+    """A node's pod(s) failed, or its outputs break what the cluster guarantees."""
+
+
+@dataclass
+class NodeTiming:
+    node_id: str
+    task: str
+    wall_s: float
+    pods: int
+    writer: str = ""  # the pod that wrote outputs.pb (multi-pod jobs)
+
+
+@dataclass
+class Replay:
+    """One execution of one workflow against one store."""
+
+    store: Store
+    execution: Execution
+    workdir: Path
+    python_bin: Path
+    code_location: str | None = None
+    timeout_s: float = 1800
+    echo: bool = False
+    attempt: int = 0  # FLYTE_ATTEMPT_NUMBER of every node run (a Flyte retry of one node: replay.retry)
+    timings: list[NodeTiming] = field(default_factory=list)
+    node_outputs: dict[str, literals_pb2.LiteralMap] = field(default_factory=dict)
+
+    def run_nodes(self, nodes, tasks: dict[str, tasks_pb2.TaskTemplate], outputs: dict,
+                  prefix: str = "") -> dict[str, literals_pb2.LiteralMap]:
+        """Run ``nodes`` in dependency order; ``outputs`` maps node id -> outputs and grows as they finish."""
+        for node in dependency_order(nodes):
+            if node.WhichOneof("target") != "task_node":
+                raise NotImplementedError(f"node {node.id}: only task nodes are replayed")
+            template = tasks[node.task_node.reference_id.name]
+            if node.task_node.overrides.ListFields():  # propeller would merge these into the pod spec
+                print(f"replay: warning: node {node.id} has task overrides, which are not replayed: "
+                      f"{node.task_node.overrides}", flush=True)
+            inputs = literals.bind_inputs(node.inputs, outputs)
+            outputs[node.id] = self.run_task(f"{prefix}{node.id}", template, inputs)
+            self.node_outputs[f"{prefix}{node.id}"] = outputs[node.id]
+        return outputs
+
+    def run_task(self, node_id: str, template: tasks_pb2.TaskTemplate,
+                 inputs: literals_pb2.LiteralMap) -> literals_pb2.LiteralMap:
+        """One task node: write inputs.pb, start its pod(s), read back outputs.pb (or expand futures.pb)."""
+        paths = self.store.node_paths(self.execution, node_id, self.attempt)
+        self.store.write(paths.inputs, inputs.SerializeToString())
+        args = render_args(template.container.args, paths, self.code_location)
+        env = flyte_env(template, self.execution, attempt=self.attempt)
+        started = time.monotonic()
+        if template.type == "pytorch":
+            results = self._run_pytorch_job(node_id, template, args, env)
+        else:
+            pod = PodSpec(f"{self.execution.name}-{node_id}-{self.attempt}", args, env)
+            results = self._run(node_id, [pod])
+        wall = time.monotonic() - started
+        print(f"replay: node {node_id:<10} {template.id.name:<45} {len(results)} pod(s) {wall:7.1f} s",
+              flush=True)
+        self._raise_task_error(node_id, paths)  # the task's own error message beats any other verdict
+        writer = rank0_writer(node_id, results) if template.type == "pytorch" else ""
+        self.timings.append(NodeTiming(node_id, template.id.name, wall, len(results), writer))
+        futures = f"{paths.output_prefix}/{FUTURES}"
+        if self.store.exists(futures):
+            spec = dynamic_job_pb2.DynamicJobSpec.FromString(self.store.read(futures))
+            return self._run_dynamic(node_id, spec, paths)
+        return self._read_outputs(node_id, template, paths)
+
+    def _run(self, node_id: str, pods: list[PodSpec]) -> list[PodResult]:
+        results = run_pods(pods, self.workdir, self.python_bin, self.timeout_s, self.echo)
+        failed = [r for r in results if r.returncode != 0]
+        if failed:
+            tails = "\n".join(f"--- {r.name} (exit {r.returncode}, log {r.log}):\n{r.log_tail()}"
+                              for r in failed)
+            why = "failed"
+            if any(r.timed_out for r in failed):
+                why = (f"killed after {self.timeout_s:.0f} s (--node-timeout); the pods of a world that does "
+                       "not form wait for the rendezvous timeout")
+            raise NodeFailed(f"node {node_id}: {len(failed)} of {len(results)} pod(s) {why}\n{tails}")
+        return results
+
+    def _run_pytorch_job(self, node_id: str, template, args: list[str], env: dict) -> list[PodResult]:
+        """The job's worker pods, started from the manifest the plugin would post (kept under jobs/)."""
+        name = pytorchjob.job_name(f"{self.execution.name}-{node_id}-{self.attempt}")
+        job = pytorchjob.build_job(template, name, f"{self.execution.project}-{self.execution.domain}",
+                                   args, env)
+        manifest = self.workdir / "jobs" / f"{name}.json"  # what would be posted to the API server
+        manifest.parent.mkdir(parents=True, exist_ok=True)
+        manifest.write_text(json.dumps(job, indent=1))
+        pods = pytorchjob.loopback(pytorchjob.operator_pods(job), job)
+        return self._run(node_id, pods)
+
+    def _raise_task_error(self, node_id: str, paths: NodePaths) -> None:
+        """flytekit reports a task's exception in error.pb and exits 0; propeller fails the node on it."""
+        error = f"{paths.output_prefix}/{ERROR}"
+        if self.store.exists(error):
+            document = errors_pb2.ErrorDocument.FromString(self.store.read(error))
+            raise NodeFailed(f"node {node_id}: the task reported an error:\n{document.error.message}")
+
+    def _read_outputs(self, node_id: str, template, paths: NodePaths) -> literals_pb2.LiteralMap:
+        path = f"{paths.output_prefix}/{OUTPUTS}"
+        if not self.store.exists(path):
+            if not template.interface.outputs.variables:
+                return literals_pb2.LiteralMap()
+            raise NodeFailed(f"node {node_id}: no {OUTPUTS} under {paths.output_prefix}")
+        outputs = literals_pb2.LiteralMap.FromString(self.store.read(path))
+        if template.type == "pytorch":
+            check_world(node_id, template, outputs)
+        return outputs
+
+    def _run_dynamic(self, node_id: str, spec: dynamic_job_pb2.DynamicJobSpec,
+                     paths: NodePaths) -> literals_pb2.LiteralMap:
+        """Run the DynamicJobSpec's nodes with its tasks, then the node's outputs from its bindings;
+        propeller writes them to the dynamic node's output prefix."""
+        tasks = {t.id.name: t for t in spec.tasks}
+        inner = self.run_nodes(spec.nodes, tasks, {}, prefix=f"{node_id}-0-")
+        outputs = literals.bind_inputs(spec.outputs, inner)
+        self.store.write(f"{paths.output_prefix}/{OUTPUTS}", outputs.SerializeToString())
+        return outputs
+
+
+def rank0_writer(node_id: str, results: list[PodResult]) -> str:
+    """The one pod that kept its outputs: every other pod of an elastic job ends in IgnoreOutputs."""
+    writers = [r.name for r in results if IGNORE_OUTPUTS not in r.log.read_text(errors="replace")]
+    if len(writers) != 1:
+        raise NodeFailed(f"node {node_id}: {len(writers)} pod(s) kept their outputs ({writers}); exactly one "
+                         "(the one holding global rank 0) may write outputs.pb")
+    return writers[0]
+
+
+def dependency_order(nodes) -> list:
+    """Nodes sorted so that each comes after every node it depends on (upstream ids and bindings)."""
+    by_id = {n.id: n for n in nodes}
+    needs = {n.id: set(n.upstream_node_ids) | _bound_nodes(n) for n in nodes}
+    ordered, done = [], set()
+    while len(ordered) < len(nodes):
+        ready = [i for i in by_id if i not in done and needs[i] & set(by_id) <= done]
+        if not ready:
+            raise ValueError(f"cycle among nodes {sorted(set(by_id) - done)}")
+        for node_id in sorted(ready):
+            ordered.append(by_id[node_id])
+            done.add(node_id)
+    return ordered
+
+
+def _bound_nodes(node) -> set[str]:
+    found: set[str] = set()
+
+    def walk(binding) -> None:
+        kind = binding.WhichOneof("value")
+        if kind == "promise":
+            found.add(binding.promise.node_id)
+        elif kind == "collection":
+            for b in binding.collection.bindings:
+                walk(b)
+        elif kind == "map":
+            for b in binding.map.bindings.values():
+                walk(b)
+
+    for b in node.inputs:
+        walk(b.binding)
+    return found
+
+
+def check_world(node_id: str, template, outputs: literals_pb2.LiteralMap) -> None:
+    """A world_size the task reports must be replicas x processes per node: one world, not several."""
+    custom = template.custom
+    expected = (int(custom["workerReplicas"]["replicas"]) * int(custom["elasticConfig"]["nprocPerNode"]))
+    for literal in outputs.literals.values():
+        for world in literals.find_values(literals.to_python(literal), "world_size"):
+            if world != expected:
+                raise NodeFailed(f"node {node_id}: world_size {world} != {expected} (pods x nproc_per_node): "
+                                 "the pods did not form one world")
+

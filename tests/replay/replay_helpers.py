@@ -1,0 +1,41 @@
+"""Helpers of the replay tests: the repository root, package builds and a replay runner."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+if str(ROOT) not in sys.path:  # `replay` is importable from the checkout even under a bare `pytest`
+    sys.path.insert(0, str(ROOT))
+
+IMAGE = "ghcr.io/example/flyte-torch-pipeline:replay-test"
+
+
+def build_package(out: Path, fast: bool) -> Path:
+    """`pyflyte --pkgs workflows package`, fast (``--copy all``) or not, as a platform team would run it."""
+    command = [str(Path(sys.executable).parent / "pyflyte"), "--pkgs", "workflows", "package",
+               "--image", IMAGE, "--output", str(out), "--force", *(["--copy", "all"] if fast else [])]
+    subprocess.run(command, cwd=ROOT, check=True, capture_output=True, text=True)
+    return out
+
+
+def run_replay(package: Path, workdir: Path, *inputs: str, timeout: float = 600, options: tuple = (),
+               module: str = "replay", env: dict | None = None) -> tuple[int, str, dict]:
+    """``python -m replay`` (or another ``module`` of the harness) as a user runs it, from outside the source
+    tree, with extra ``options`` and ``env``: (exit code, output, summary)."""
+    summary = workdir / "summary.json"
+    command = [sys.executable, "-m", module, str(package), "--workdir", str(workdir),
+               "--summary-json", str(summary), "--node-timeout", "300", *options]
+    for item in inputs:
+        command += ["--input", item]
+    # The harness comes from this checkout; its pods do not.
+    env = {**os.environ, **(env or {}), "PYTHONPATH": str(ROOT)}
+    proc = subprocess.run(command, cwd=workdir.parent, capture_output=True, text=True, timeout=timeout,
+                          env=env)
+    data = json.loads(summary.read_text()) if summary.is_file() else {}
+    return proc.returncode, proc.stdout + proc.stderr, data
+

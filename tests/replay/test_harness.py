@@ -1,0 +1,114 @@
+"""The harness's own mechanics, without Flyte tasks: templates, pods, the world check, node order."""
+
+from __future__ import annotations
+
+import sys
+import time
+from pathlib import Path
+
+import msgpack
+import pytest
+import replay_helpers  # noqa: F401, I001  (a module beside this file; puts the checkout on sys.path)
+from flyteidl.core import literals_pb2, tasks_pb2, types_pb2, workflow_pb2
+from google.protobuf.struct_pb2 import Struct
+
+from replay.graph import NodeFailed, check_world, dependency_order, rank0_writer
+from replay.package import REMOTE_PACKAGE_PATH
+from replay.pod import PodResult, PodSpec, render_args, run_pods
+from replay.store import Execution, Store
+
+EXECUTION = Execution("p", "d", "fexec", "wf", "v1")
+BIN = Path(sys.executable).parent
+
+
+def test_templates_are_filled_in_as_propeller_does(tmp_path):
+    store = Store(str(tmp_path))
+    args = ["pyflyte-fast-execute", "--additional-distribution", REMOTE_PACKAGE_PATH, "--", "--inputs",
+            "{{.input}}", "--output-prefix", "{{ .OutputPrefix }}", "--raw-output-data-prefix",
+            "{{$rawOutputDataPrefix}}", "--checkpoint-path", "{{.checkpointOutputPrefix}}",
+            "--prev-checkpoint", "{{.prevCheckpointPrefix}}", "--", "task-key", "{{.unknown}}"]
+    first = render_args(args, store.node_paths(EXECUTION, "n1"), "s3://b/fast.tar.gz")
+    paths = store.node_paths(EXECUTION, "n1")
+    assert first[2] == "s3://b/fast.tar.gz"
+    assert first[5] == paths.inputs == f"{paths.output_prefix.rsplit('/', 1)[0]}/inputs.pb"
+    assert (first[7], first[9], first[11]) == (paths.output_prefix, paths.raw_output_prefix,
+                                               paths.checkpoint_prefix)
+    assert first[13] == '""' and first[-1] == "{{.unknown}}"  # unknown templates stay, as in propeller
+    retry = store.node_paths(EXECUTION, "n1", attempt=1)
+    assert render_args(args, retry, "x")[13] == paths.checkpoint_prefix  # the previous attempt's checkpoints
+    with pytest.raises(ValueError, match="no code tarball"):
+        render_args(args, paths, None)
+
+
+def test_a_failed_pod_stops_the_others_as_the_job_fails(tmp_path):
+    python = sys.executable
+    specs = [PodSpec("fails", [python, "-c", "import sys; sys.exit(3)"]),
+             PodSpec("waits", [python, "-c", "import time; time.sleep(60)"])]
+    started = time.monotonic()
+    results = {r.name: r.returncode for r in run_pods(specs, tmp_path, BIN, timeout_s=120)}
+    assert results["fails"] == 3 and results["waits"] < 0  # killed, not left to run
+    assert time.monotonic() - started < 30
+
+
+def test_pods_get_their_own_home_tmp_and_cwd_outside_the_source_tree(tmp_path):
+    code = ("import os; print(os.getcwd(), os.environ['HOME'], os.environ['TMPDIR'], "
+            "os.environ.get('PYTHONPATH'), os.environ['X'])")
+    spec = PodSpec("env", [sys.executable, "-c", code], {"X": "1"})
+    (result,) = run_pods([spec], tmp_path, BIN, timeout_s=60)
+    cwd, home, tmp, pythonpath, x = result.log.read_text().split()
+    pod = tmp_path / "pods" / "env"
+    assert (cwd, home, tmp) == (str(pod / "work"), str(pod / "home"), str(pod / "tmp"))
+    assert (pythonpath, x) == ("None", "1")  # nothing of the harness's environment, the container's env
+
+
+def _pytorch_template(replicas: int, nproc: int) -> tasks_pb2.TaskTemplate:
+    custom = Struct()
+    custom.update({"workerReplicas": {"replicas": replicas}, "elasticConfig": {"nprocPerNode": nproc}})
+    return tasks_pb2.TaskTemplate(type="pytorch", custom=custom)
+
+
+def _outputs(world: int) -> literals_pb2.LiteralMap:
+    value = msgpack.packb({"summary": {"steps": 3, "world_size": world}})
+    scalar = literals_pb2.Scalar(binary=literals_pb2.Binary(value=value, tag="msgpack"))
+    return literals_pb2.LiteralMap(literals={"o0": literals_pb2.Literal(scalar=scalar)})
+
+
+def test_world_size_must_span_every_pod():
+    check_world("n", _pytorch_template(2, 2), _outputs(4))
+    with pytest.raises(NodeFailed, match="did not form one world"):
+        check_world("n", _pytorch_template(2, 2), _outputs(2))  # each pod trained on its own
+
+
+def test_exactly_one_pod_of_a_job_may_keep_its_outputs(tmp_path):
+    def pod(name: str, log: str) -> PodResult:
+        (tmp_path / name).write_text(log)
+        return PodResult(name, 0, 1.0, tmp_path / name)
+
+    ignored = "WARNING User-scoped IgnoreOutputs received! Outputs.pb will not be uploaded."
+    assert rank0_writer("n", [pod("w0", ignored), pod("w1", "train: done")]) == "w1"
+    with pytest.raises(NodeFailed, match="2 pod"):  # both wrote outputs.pb: two rank-0s, two worlds
+        rank0_writer("n", [pod("a", "train: done"), pod("b", "train: done")])
+    with pytest.raises(NodeFailed, match="0 pod"):
+        rank0_writer("n", [pod("c", ignored), pod("d", ignored)])
+
+
+def test_nodes_run_after_the_nodes_they_are_bound_to():
+    def node(node_id, upstream=(), bound=()):
+        inputs = [literals_pb2.Binding(var=f"x{i}", binding=literals_pb2.BindingData(promise=_ref(b)))
+                  for i, b in enumerate(bound)]
+        return workflow_pb2.Node(id=node_id, upstream_node_ids=list(upstream), inputs=inputs)
+
+    nodes = [node("n2", bound=["n1"]), node("n1", upstream=["n0"]), node("n0", bound=[""])]
+    assert [n.id for n in dependency_order(nodes)] == ["n0", "n1", "n2"]
+    with pytest.raises(ValueError, match="cycle"):
+        dependency_order([node("a", upstream=["b"]), node("b", bound=["a"])])
+
+
+def _ref(node_id: str) -> types_pb2.OutputReference:
+    return types_pb2.OutputReference(node_id=node_id, var="o0")
+
+
+def test_pods_that_never_finish_are_killed_at_the_node_timeout(tmp_path):
+    specs = [PodSpec(f"waits-{i}", [sys.executable, "-c", "import time; time.sleep(60)"]) for i in (0, 1)]
+    results = run_pods(specs, tmp_path, BIN, timeout_s=1)
+    assert all(r.timed_out and r.returncode < 0 for r in results)

@@ -1,0 +1,191 @@
+"""Restarts of a 2-pod PyTorchJob as a cluster does them, replayed from the registered workflow.
+
+A reference replay (backend=kubernetes, nnodes=2, nproc_per_node=1, max_restarts=2, a durable checkpoint
+root on a directory both pods share, deterministic CPU/gloo training) runs the whole workflow once,
+uninterrupted; its train pods' pod.json files are what the training operator created. Then the train node
+runs again from the same inputs.pb and an emptied checkpoint root, twice, its pods started from those
+pod.json files (replay.retry.start_pod) with only a new rendezvous port, as a new job's Service would have:
+
+- operator restart: worker-1's pod is SIGKILLed (its whole process group, as a lost node) after the first
+  checkpoint is committed, and a new process starts from the same pod.json (command, args, env), as the
+  operator recreates a failed worker; worker-0's torch-elastic agent (max_restarts>0) restarts its workers
+  in the same process (that process must exit 0) and the group re-forms with the new pod. This needs
+  TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1, which the train task sets for such jobs (see that test's docstring).
+- Flyte retry: both pods are SIGKILLed after the first checkpoint (attempt 0 lost), and propeller's retry
+  runs the node again as attempt 1 (replay.retry: FLYTE_ATTEMPT_NUMBER=1, a new job, new pods).
+
+Either way the job resumes from the durable root and ends at the same step with bitwise the same final
+weights as the uninterrupted run: a rank's computation depends only on its rank, the checkpointed state
+(model, optimizer, schedule, loader position, RNG) and the fixed config, not on which process holds it,
+and a 2-rank allreduce sums a + b, which IEEE addition gives bitwise whichever order the ranks land in.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import socket
+import time
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+from flyteidl.core import literals_pb2
+from replay_helpers import run_replay  # noqa: I001  (a module beside this file)
+
+from replay import literals
+from replay.retry import kill_pod, start_pod
+from traincore.checkpoint_files import complete_steps, step_dir
+from traincore.checkpoint_format import read_checkpoint
+
+MAX_STEPS, EVERY = 200, 20  # 10-30 s of training on a 2-core machine (busy or not)
+TRAIN_NODE = "n2-0-dn0"
+CONFIG = json.dumps({"model": {"name": "small_cnn", "width": 8}, "loader": {"batch_size": 8},
+                     "telemetry": {"log_every": 10, "tensorboard": False}, "checkpoint": {"every": EVERY}})
+INPUTS = ("backend=kubernetes", "nnodes=2", "nproc_per_node=1", "max_restarts=2", f"max_steps={MAX_STEPS}",
+          f"config_overrides={CONFIG}")
+TIMEOUT_S = 300
+
+
+def final_weights(root: Path) -> dict[str, bytes]:
+    """The model tensors of the run's last checkpoint, as raw bytes (bitwise comparison)."""
+    weights, info = read_checkpoint(step_dir(root, MAX_STEPS))
+    assert info["step"] == MAX_STEPS
+    return {name: tensor.contiguous().numpy().tobytes() for name, tensor in weights.items()}
+
+
+@pytest.fixture(scope="module")
+def job(non_fast_package, tmp_path_factory):
+    """The uninterrupted reference replay: its pods, store, checkpoint root and final weights."""
+    base = tmp_path_factory.mktemp("pod-restarts")
+    workdir, root = base / "run", base / "shared-checkpoints"
+    code, output, summary = run_replay(non_fast_package, workdir, *INPUTS, f"checkpoint_uri={root}")
+    assert code == 0, output[-6000:]
+    train = summary["node_outputs"][TRAIN_NODE]["o0"]["summary"]
+    assert (train["steps"], train["world_size"], train["resumed_from"]) == (MAX_STEPS, 2, None)
+    pods = sorted(workdir.glob(f"pods/{summary['execution']}-{TRAIN_NODE}-0-worker-*"))
+    assert len(pods) == 2
+    reference = final_weights(root)
+    shutil.move(root, base / "reference-checkpoints")
+    output_dir = Path(summary["workdir"]) / "store" / "metadata" / "propeller"
+    (outputs_pb,) = output_dir.glob(f"*/{TRAIN_NODE}/data/0/outputs.pb")
+    return SimpleNamespace(package=non_fast_package, workdir=workdir, root=root, pods=pods, summary=summary,
+                           reference=reference, outputs_pb=outputs_pb, base=base)
+
+
+def fresh_run(job, name: str) -> dict[str, str]:
+    """Empty the durable root and the node's outputs (keeping the last run's under ``name``), and give the
+    job a new rendezvous port: the env overrides for its pods."""
+    if job.root.exists():
+        shutil.move(job.root, job.base / f"{name}-previous-checkpoints")
+    job.outputs_pb.unlink(missing_ok=True)
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return {"PET_RDZV_ENDPOINT": f"127.0.0.1:{probe.getsockname()[1]}"}
+
+
+def wait_for(condition, timeout: float, what: str) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout:.0f} s waiting for {what}")
+        time.sleep(0.1)
+
+
+def start_job(job, env: dict[str, str], log: str) -> list:
+    """Worker-0 first, and worker-1 once worker-0's agent serves the rendezvous store: the store lives in
+    worker-0's pod, as on a cluster (where the endpoint is worker-0's Service)."""
+    host, port = env["PET_RDZV_ENDPOINT"].split(":")
+    first = start_pod(job.pods[0], log, env)
+
+    def serving() -> bool:
+        assert first.poll() is None, (job.pods[0] / log).read_text(errors="replace")[-3000:]
+        with socket.socket() as probe:
+            return probe.connect_ex((host, int(port))) == 0
+
+    wait_for(serving, 120, "worker-0's rendezvous store")
+    return [first, start_pod(job.pods[1], log, env)]
+
+
+def wait_pods(processes: list, timeout: float = TIMEOUT_S) -> list[int]:
+    try:
+        wait_for(lambda: all(p.poll() is not None for p in processes), timeout, "the pods to finish")
+    finally:
+        codes = [kill_pod(p) if p.poll() is None else p.returncode for p in processes]
+    return codes
+
+
+def first_checkpoint(job, processes: list) -> int:
+    """Wait until a checkpoint is committed in the durable root while every pod still runs."""
+    wait_for(lambda: complete_steps(job.root) or any(p.poll() is not None for p in processes), 240,
+             "the first checkpoint")
+    assert all(p.poll() is None for p in processes), "a pod ended before the first checkpoint"
+    return complete_steps(job.root)[-1]
+
+
+def train_summary(outputs_pb: Path) -> dict:
+    outputs = literals_pb2.LiteralMap.FromString(outputs_pb.read_bytes())
+    return literals.to_python(outputs.literals["o0"])["summary"]
+
+
+@pytest.mark.slow
+def test_operator_restart_of_a_killed_pod_resumes_bitwise(job):
+    """The pods run with TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 from the task template (tasks/train.py).
+
+    With torch 2.14.1's default (the agent's TCPStore shared with the workers), a replacement pod cannot
+    rejoin: the surviving agent caches its bootstrap store info from its first rendezvous and never writes
+    MASTER_ADDR/MASTER_PORT for a later round (dynamic_rendezvous.py, next_rendezvous: ``if
+    self._bootstrap_store_info is None or (rank == 0 and ...)``), while the new agent, a newcomer at rank
+    1, waits in RendezvousStoreInfo.build for those keys under the new round's prefix: forever (up to the
+    900 s timeouts). Seen here: worker-0's agent in _assign_worker_ranks, the new worker-1 in
+    RendezvousStoreInfo.build, no worker started, for minutes. Opting out of sharing makes rank 0 publish
+    the keys in every round, so the group re-forms.
+    """
+    for pod in job.pods:  # from the template, through the PyTorchJob manifest, into each pod
+        assert json.loads((pod / "pod.json").read_text())["env"]["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] == "1"
+    env, log = fresh_run(job, "operator"), "log-operator.txt"
+    processes = start_job(job, env, log)
+    try:
+        checkpoint = first_checkpoint(job, processes)
+        assert kill_pod(processes[1]) == -9  # the pod's node is lost
+        assert checkpoint < MAX_STEPS and processes[0].poll() is None
+        processes[1] = start_pod(job.pods[1], "log-operator-restarted.txt", env)  # the operator's new pod
+    finally:
+        codes = wait_pods(processes)
+    logs = "".join((pod / name).read_text(errors="replace") for pod in job.pods
+                   for name in (log, "log-operator-restarted.txt") if (pod / name).is_file())
+    assert codes == [0, 0], logs[-6000:]
+    summary = train_summary(job.outputs_pb)  # written by whichever pod held global rank 0 at the end
+    assert (summary["steps"], summary["world_size"]) == (MAX_STEPS, 2)
+    assert summary["resumed_from"] is not None and summary["resumed_from"] >= checkpoint, summary
+    assert f"resumed from step {summary['resumed_from']}" in logs
+    assert complete_steps(job.root)[-1] == MAX_STEPS
+    assert final_weights(job.root) == job.reference, "final weights differ from the uninterrupted run's"
+
+
+@pytest.mark.slow
+def test_flyte_retry_of_the_whole_train_node_resumes_bitwise(job):
+    env = fresh_run(job, "retry")
+    processes = start_job(job, env, "log-attempt-0.txt")
+    try:
+        first_checkpoint(job, processes)
+    finally:
+        for process in processes:  # attempt 0 is lost with both of its pods
+            kill_pod(process)
+    latest = complete_steps(job.root)[-1]
+    assert latest < MAX_STEPS
+    code, output, retry = run_replay(job.package, job.workdir, module="replay.retry", options=(
+        "--store", str(job.workdir / "store"), "--execution", job.summary["execution"], "--node", TRAIN_NODE))
+    assert code == 0, output[-6000:]
+    summary = retry["outputs"]["o0"]["summary"]
+    assert (summary["resumed_from"], summary["steps"], summary["world_size"]) == (latest, MAX_STEPS, 2)
+    assert final_weights(job.root) == job.reference, "final weights differ from the uninterrupted run's"
+    # A new job with new pods, as propeller's retry creates: attempt 1 in its name, its env and its paths.
+    (node,) = retry["nodes"]
+    assert node["pods"] == 2 and node["writer"]
+    pods = sorted(job.workdir.glob(f"pods/{job.summary['execution']}-{TRAIN_NODE}-1-worker-*"))
+    assert len(pods) == 2
+    for pod in pods:
+        started = json.loads((pod / "pod.json").read_text())
+        assert started["env"]["FLYTE_ATTEMPT_NUMBER"] == "1" and started["env"]["PET_NNODES"] == "2:2"
+        assert f"/{TRAIN_NODE}/data/1" in " ".join(started["args"])

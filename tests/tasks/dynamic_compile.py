@@ -1,0 +1,36 @@
+"""The launching @dynamic compiled as a cluster would run it: the train task template it emits."""
+
+from __future__ import annotations
+
+from flytekit.configuration import Image, ImageConfig, SerializationSettings
+from flytekit.core.context_manager import ExecutionState, FlyteContextManager
+from flytekit.core.type_engine import TypeEngine
+from flytekit.models.task import TaskTemplate
+from flytekit.types.directory import FlyteDirectory
+
+from tasks.types import StagedDataset, Topology
+from traincore.presets import preset
+from workflows.pipeline import train_on_backend
+
+IMAGE = "ghcr.io/example/flyte-torch-pipeline:test"
+
+
+def compile_train(topology: Topology) -> TaskTemplate:
+    """Run the launching @dynamic as the cluster would and return the train task it emits."""
+    settings = SerializationSettings(image_config=ImageConfig(default_image=Image(name="default",
+                                                                                  fqn=IMAGE.split(":")[0],
+                                                                                  tag="test")),
+                                     project="flytesnacks", domain="development", version="v1", env={})
+    dataset = StagedDataset(directory=FlyteDirectory("s3://bucket/staged"), source="digits",
+                            classes=list("0123456789"), shape=[1, 32, 32],
+                            counts={"train": 1437, "val": 180, "test": 180}, format_version=1)
+    inputs = {"config": preset("digits"), "dataset": dataset, "topology": topology, "checkpoint_uri": "s3://bucket/run"}
+    train_on_backend._wf = None  # flytekit compiles a dynamic once per process (a pod runs one); start afresh
+    ctx = FlyteContextManager.current_context()
+    with FlyteContextManager.with_context(ctx.with_serialization_settings(settings)) as ctx:
+        state = ctx.execution_state.with_params(mode=ExecutionState.Mode.TASK_EXECUTION)
+        with FlyteContextManager.with_context(ctx.with_execution_state(state)) as ctx:
+            literals = TypeEngine.dict_to_literal_map(ctx, inputs, train_on_backend.python_interface.inputs)
+            spec = train_on_backend.dispatch_execute(ctx, literals)
+    (template,) = [t for t in spec.tasks if t.id.name.startswith("tasks.train.")]
+    return template
