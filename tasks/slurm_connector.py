@@ -43,6 +43,7 @@ SLURM_TASK_TYPE = "slurm_train"
 JOBS_DIR = ".flyte-torch-pipeline/slurm-jobs"  # on the login node, relative to the user's home
 SSH_KEY_SECRET = ("slurm", "ssh_key")  # optional Flyte secret (group, key): the login node's private key
 STDERR_TAIL_LINES = 40  # of a failed job's stderr (and of a finished job's stdout) in its message
+LAST_KEPT = 256  # finished jobs whose outcome the connector remembers (a local run reads its own)
 PHASES = {Outcome.QUEUED: TaskExecution.QUEUED, Outcome.RUNNING: TaskExecution.RUNNING,
           Outcome.SUCCEEDED: TaskExecution.SUCCEEDED, Outcome.FAILED: TaskExecution.FAILED,
           Outcome.RETRYABLE: TaskExecution.RETRYABLE_FAILED, Outcome.ABORTED: TaskExecution.ABORTED}
@@ -75,7 +76,8 @@ class SlurmTrainConnector(AsyncConnectorBase):
         # Version 1: what the task template carries (kfpytorch's Elastic task sets task_type_version=1).
         super().__init__(task_type_name=SLURM_TASK_TYPE, task_type_version=1, metadata_type=SlurmJobMeta)
         self._clients: dict[str, SlurmClient] = {}
-        # job id -> final outcome and message: what a local run prints or raises once the job ended
+        # job id -> final outcome and message: what a local run prints or raises once the job ended. A
+        # local run takes its entry; a connector service never does, so only the newest LAST_KEPT are kept.
         self.last: dict[str, tuple[Outcome, str]] = {}
 
     async def _client(self, target: str) -> SlurmClient:
@@ -117,6 +119,8 @@ class SlurmTrainConnector(AsyncConnectorBase):
                                   *summary])
         if job.finished:
             self.last[job.job_id] = (job.outcome, message)
+            while len(self.last) > LAST_KEPT:
+                del self.last[next(iter(self.last))]  # the oldest: dicts keep insertion order
         return Resource(phase=PHASES[job.outcome], message=message)
 
     async def _failure_message(self, meta: SlurmJobMeta, job: JobInfo, headline: str) -> str:
@@ -159,11 +163,11 @@ class SlurmTrainTask(AsyncConnectorExecutorMixin, ElasticTrainTask):
                 outputs = AsyncConnectorExecutorMixin.execute(self, **kwargs)
         except FlyteUserException as exc:
             job_id = self.resource_meta.job_id if self.resource_meta else ""
-            outcome, _ = CONNECTOR.last.get(job_id, (None, ""))
+            outcome, _ = CONNECTOR.last.pop(job_id, (None, ""))
             if outcome is Outcome.RETRYABLE:  # preempted, node lost: Flyte's retries apply
                 raise FlyteRecoverableException(str(exc)) from exc
             raise
-        print(CONNECTOR.last[self.resource_meta.job_id][1], flush=True)
+        print(CONNECTOR.last.pop(self.resource_meta.job_id)[1], flush=True)
         return outputs
 
 

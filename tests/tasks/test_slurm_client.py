@@ -678,3 +678,38 @@ def test_commands_are_bounded_by_the_timeout(ssh_home):
 def test_client_must_be_entered():
     with pytest.raises(SlurmError, match="not connected"):
         asyncio.run(SlurmClient(SlurmTarget("x")).run("true"))
+
+
+def test_connector_reports_finished_jobs_and_remembers_only_the_newest(ssh_home, tmp_path, monkeypatch):
+    """A connector service runs for months: the outcomes it keeps for local runs stay bounded."""
+    from flytekit.models.core.execution import TaskExecutionPhase
+
+    from tasks import slurm_connector
+
+    monkeypatch.setattr(slurm_connector, "LAST_KEPT", 2)
+
+    def job_line(command: str) -> tuple[str, str, int]:
+        job = command.split()[-1]
+        state = "FAILED" if job == "7" else "COMPLETED"
+        return text_line(state, "3:0" if job == "7" else "0:0").replace("JobId=5 ", f"JobId={job} "), "", 0
+
+    async def body(node, keys):
+        connector = slurm_connector.SlurmTrainConnector()
+        phases = {}
+        for job in ("6", "7", "8"):
+            meta = slurm_connector.SlurmJobMeta(job_id=job, target="fake-slurm", output_prefix=str(tmp_path))
+            resource = await connector.get(meta)
+            phases[job] = resource.phase
+        assert phases == {"6": TaskExecutionPhase.SUCCEEDED, "7": TaskExecutionPhase.FAILED,
+                          "8": TaskExecutionPhase.SUCCEEDED}
+        assert list(connector.last) == ["7", "8"]  # job 6, the oldest, was dropped
+        outcome, message = connector.last["7"]
+        assert outcome is Outcome.FAILED and "Slurm job 7 FAILED" in message and "exit code 3" in message
+        assert "train: 200 steps" in connector.last["8"][1]  # rank 0's summary line from the job's stdout
+
+    def setup(node):
+        slurm_22_05(node)
+        node.on("scontrol show job -o", handler=job_line)
+        node.on("tail -n", "epoch 1 done\ntrain: 200 steps\n")
+
+    with_login_node(ssh_home, body, setup)
