@@ -26,6 +26,8 @@ from tasks.slurm_states import SlurmError
 from tasks.storage import is_uri, local_path
 from tasks.types import SlurmSettings, Topology
 from traincore.config import Config, ConfigError, DataConfig, parse_source
+from traincore.data import StagingError
+from traincore.fingerprint import source_fingerprint
 from traincore.presets import preset
 from traincore.train import OutputError, check_model_input, ensure_writable_dir
 
@@ -75,8 +77,8 @@ def check_protocol(location: str, input_name: str) -> None:
 
 
 def check_source(source: str) -> None:
-    """A local imagefolder path must exist; of a URI, only the scheme is checked here (no network): the
-    staging task, which can reach it, checks the rest."""
+    """A local imagefolder path must exist; of a URI, only the scheme is checked here (no network yet):
+    fingerprint_source, run last, lists it."""
     kind, location = parse_source(source)
     if kind != "imagefolder":
         return
@@ -177,6 +179,16 @@ def check_checkpoint_uri(checkpoint_uri: str, local_run: bool) -> None:
         raise LaunchInputError(f"input checkpoint_uri={checkpoint_uri!r}: {exc}") from exc
 
 
+def fingerprint_source(data: DataConfig) -> str:
+    """The source's fingerprint as it is now, which the staging cache key includes, so a grown folder is
+    staged again. An imagefolder is listed here (never opened), with progress lines, so a bad tree fails
+    the plan, naming the input, before anything stages."""
+    try:
+        return source_fingerprint(data, progress=lambda line: print(f"plan: {line}", flush=True))
+    except StagingError as exc:
+        raise LaunchInputError(f"input source={data.source!r}: {exc}") from exc
+
+
 SLURM_PROBE_TIMEOUT_S = 20.0  # connect and each command: a wrong host or port fails the plan, not a hang
 SLURM_COMMANDS = ("sbatch", "srun", "scontrol", "scancel", "sinfo")
 
@@ -240,6 +252,7 @@ class RunPlan(NamedTuple):
     config: Config
     data: DataConfig
     topology: Topology
+    source_fingerprint: str  # the source as it was when this run started (traincore.fingerprint)
 
 
 @task
@@ -247,7 +260,8 @@ def plan_run(source: str, preset: str, config_overrides: str, epochs: int, max_s
              nnodes: int, nproc_per_node: int, gpus_per_node: int, accelerator: str, max_restarts: int,
              checkpoint_uri: str, slurm_target: str, slurm_partition: str, slurm_account: str,
              slurm_time_limit: str, slurm_sbatch_flags: str, slurm_setup: str) -> RunPlan:
-    """Validate the launch inputs and resolve them into the run's Config and Topology."""
+    """Validate the launch inputs and resolve them into the run's Config and Topology; fingerprint the
+    source (uncached: every run sees the source as it is now)."""
     slurm = SlurmSettings(target=slurm_target, partition=slurm_partition, account=slurm_account,
                           time_limit=slurm_time_limit, sbatch_flags=slurm_sbatch_flags, setup=slurm_setup)
     cfg = build_config(preset, config_overrides, source, epochs, max_steps)
@@ -261,8 +275,9 @@ def plan_run(source: str, preset: str, config_overrides: str, epochs: int, max_s
     check_backend(cfg, topology, local_run)
     check_model(cfg)
     check_checkpoint_uri(checkpoint_uri, local_run)  # it may create the directory
-    topology = check_slurm(topology, local_run)  # last: it contacts the cluster
+    topology = check_slurm(topology, local_run)  # it contacts the cluster
+    fingerprint = fingerprint_source(cfg.data)  # last: a large remote folder takes longest
     length = f"{cfg.train.max_steps} steps" if cfg.train.max_steps else f"{cfg.train.epochs} epochs"
-    print(f"plan: preset {preset}, source {cfg.data.source}, model {cfg.model.name}, {length}; "
-          f"{nnodes} node(s) x {nproc_per_node} process(es) on {backend}", flush=True)
-    return RunPlan(config=cfg, data=cfg.data, topology=topology)
+    print(f"plan: preset {preset}, source {cfg.data.source} ({fingerprint}), model {cfg.model.name}, "
+          f"{length}; {nnodes} node(s) x {nproc_per_node} process(es) on {backend}", flush=True)
+    return RunPlan(config=cfg, data=cfg.data, topology=topology, source_fingerprint=fingerprint)

@@ -1,9 +1,11 @@
-"""Stage a dataset source once into the memory-mappable format; Flyte caches the result."""
+"""Stage a dataset source once into the memory-mappable format; Flyte caches the result per DataConfig and
+source fingerprint, so a grown or changed source is staged again and an unchanged one is not."""
 
 from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import os
 import time
 from pathlib import Path
@@ -17,35 +19,47 @@ from traincore.config import DataConfig
 from traincore.data import FORMAT_VERSION
 from traincore.stage import directory_bytes, stage, staging_key, summary
 
-# The cache key is (task, this version, the DataConfig); a new staging format must never reuse old bytes.
+log = logging.getLogger(__name__)
+
+# The cache key is (task, this version, the DataConfig, the source fingerprint); a new staging format must
+# never reuse old bytes.
 STAGING_CACHE_VERSION = f"staging-format-{FORMAT_VERSION}"
 
 
-def staging_directory(data: DataConfig) -> Path:
+def staging_directory(data: DataConfig, source_fingerprint: str) -> Path:
     """Where to stage: in a pod, the task's working directory (Flyte uploads it); locally, a directory per
-    DataConfig under the user cache directory.
+    DataConfig and source fingerprint under the user cache directory.
 
     Locally, flytekit's cache (in ~/.flyte) records the output's path as it is; a staging under /tmp would
-    vanish with a /tmp clean-up and leave every later cache hit pointing at nothing. The per-config
-    directory also lets a cache miss reuse a complete earlier staging of the same config.
+    vanish with a /tmp clean-up and leave every later cache hit pointing at nothing. The per-key directory
+    also lets a cache miss reuse a complete earlier staging of the same config and source state.
     """
     if not FlyteContextManager.current_context().execution_state.is_local_execution():
         return Path(flytekit.current_context().working_directory) / "staged"
-    key = hashlib.sha256(json.dumps(staging_key(data), sort_keys=True).encode()).hexdigest()[:16]
+    identity = json.dumps([staging_key(data), source_fingerprint], sort_keys=True)
+    key = hashlib.sha256(identity.encode()).hexdigest()[:16]
     cache = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
     return cache / "flyte-torch-pipeline" / "staged" / f"format{FORMAT_VERSION}-{key}"
 
 
 @task(cache=True, cache_version=STAGING_CACHE_VERSION, retries=2, requests=Resources(cpu="2", mem="4Gi"))
-def stage_dataset(data: DataConfig) -> StagedDataset:
-    """Decode, resize and shard ``data.source`` into manifest.json + uint8 shards (cached per DataConfig).
+def stage_dataset(data: DataConfig, source_fingerprint: str) -> StagedDataset:
+    """Decode, resize and shard ``data.source`` into manifest.json + uint8 shards, cached per DataConfig and
+    ``source_fingerprint`` (plan_run's fingerprint of the source as it was when the run started).
 
     A staging already in the directory is verified before it is reused; a damaged one (a shard failing its
     check, an unreadable manifest) is staged again and swapped into place, with a warning naming the file.
+    Staging lists the source again and stages exactly that listing; if the source changed since plan_run,
+    the manifest and the output record what was staged (with a warning), and the next run, fingerprinting
+    the new state, stages it under its own key.
     """
-    output = staging_directory(data)
+    output = staging_directory(data, source_fingerprint)
     start = time.perf_counter()
-    manifest = stage(data, output, replace_unusable=True)  # the directory is this task's own
+    manifest = stage(data, output, replace_unusable=True,  # the directory is this task's own
+                     progress=lambda line: print(f"stage_dataset: {line}", flush=True))
+    if manifest.source_fingerprint != source_fingerprint:
+        log.warning("the source %s changed after plan_run fingerprinted it (%s); staged as it is now (%s)",
+                    data.source, source_fingerprint, manifest.source_fingerprint)
     mib, seconds = directory_bytes(output) / 2**20, time.perf_counter() - start
     print(f"stage_dataset: {summary(manifest)} ({mib:.1f} MiB in {seconds:.1f} s)", flush=True)
     return StagedDataset.from_manifest(output, manifest)

@@ -2,7 +2,8 @@
 
 A staged dataset is one directory::
 
-    manifest.json                 format version, classes, C/H/W, normalisation stats, splits + shards
+    manifest.json                 format version, source fingerprint, classes, C/H/W, normalisation stats,
+                                  splits + shards
     train-00000.u8                uint8 images, NCHW contiguous (count * C * H * W bytes)
     train-00000.labels.i64        int64 labels (count * 8 bytes)
     val-00000.u8 ...
@@ -37,7 +38,7 @@ import numpy as np
 
 log = logging.getLogger(__name__)
 
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # 2: stable imagefolder splits (traincore.imagefolder), the source fingerprint
 MANIFEST = "manifest.json"
 VERIFIED = "verified.json"
 SPLITS = ("train", "val", "test")
@@ -75,6 +76,7 @@ class Manifest:
     """Everything a reader needs to know about a staged dataset."""
 
     source: str
+    source_fingerprint: str  # the source as staged (traincore.fingerprint): a changed source stages again
     classes: list[str]
     shape: tuple[int, int, int]  # C, H, W
     mean: list[float]
@@ -151,6 +153,8 @@ def _parse_manifest(raw: dict, path: Path) -> Manifest:
     if unknown:
         raise _damaged(path, f"has unknown key(s) {', '.join(map(repr, unknown))}")
     source = need(raw, "source", "", lambda v: isinstance(v, str), "a string")
+    fingerprint = need(raw, "source_fingerprint", "", lambda v: isinstance(v, str) and v != "",
+                       "a non-empty string")
     classes = need(raw, "classes", "", lambda v: isinstance(v, list) and len(v) >= 1
                    and all(isinstance(c, str) for c in v), "a non-empty list of class names")
     shape = need(raw, "shape", "", lambda v: isinstance(v, list) and len(v) == 3
@@ -193,8 +197,9 @@ def _parse_manifest(raw: dict, path: Path) -> Manifest:
             raise _damaged(path, f"says split {name!r} has {count} samples but its shards hold "
                                  f"{sum(s.count for s in shards)}")
         splits[name] = SplitInfo(count, shards)
-    return Manifest(source=source, classes=classes, shape=tuple(shape), mean=mean, std=std, seed=seed,
-                    splits=splits, dtype=dtype, format_version=FORMAT_VERSION, config=config)
+    return Manifest(source=source, source_fingerprint=fingerprint, classes=classes, shape=tuple(shape),
+                    mean=mean, std=std, seed=seed, splits=splits, dtype=dtype, format_version=FORMAT_VERSION,
+                    config=config)
 
 
 def _short(value: Any) -> str:

@@ -6,6 +6,10 @@ free space at the output; a full disk or an unwritable output mid-way leaves not
 StagingError naming the path. An existing staging of the same settings is verified (traincore.data) and
 reused, or, when a shard fails verification, staged again and swapped into place.
 
+The source is fingerprinted (traincore.fingerprint) from the very listing that is staged, and the manifest
+records that fingerprint: an existing staging of the same settings whose fingerprint differs (the folder
+grew or changed) is staged again in its place; one that matches is reused.
+
     python -m traincore.stage --source digits --output DIR [--image-size N] [--seed S]
 """
 
@@ -21,6 +25,7 @@ import shutil
 import sys
 import time
 import uuid
+from collections.abc import Callable
 from dataclasses import asdict
 from pathlib import Path
 from typing import BinaryIO
@@ -29,20 +34,22 @@ import numpy as np
 
 from traincore.config import ConfigError, DataConfig, parse_source
 from traincore.data import MANIFEST, SPLITS, Manifest, ShardInfo, SplitInfo, StagingError, verify_staging
-from traincore.imagefolder import imagefolder_source
+from traincore.fingerprint import listing_fingerprint, source_fingerprint
+from traincore.imagefolder import imagefolder_source, list_images
 from traincore.sources import BAND, Source, digits_source, synthetic_source
 
 log = logging.getLogger(__name__)
 
 
-def source_chunks(cfg: DataConfig) -> Source:
-    """Class names, sample count and the chunk stream for ``cfg.source``."""
+def open_source(cfg: DataConfig, progress: Callable[[str], None] = log.info) -> tuple[Source, str]:
+    """The source of ``cfg.source`` (class names, sample count, chunk stream) and the fingerprint of exactly
+    what it will stage: an imagefolder is listed once, and only the listed files are read."""
     kind, location = parse_source(cfg.source)
-    if kind == "digits":
-        return digits_source(cfg)
-    if kind == "synthetic":
-        return synthetic_source(cfg)
-    return imagefolder_source(location, cfg)
+    if kind == "imagefolder":
+        listing = list_images(location, progress=progress)
+        return imagefolder_source(listing, cfg), listing_fingerprint(listing)
+    source = digits_source(cfg) if kind == "digits" else synthetic_source(cfg)
+    return source, source_fingerprint(cfg)
 
 
 # ---- writer --------------------------------------------------------------------------------------
@@ -123,7 +130,7 @@ def _channel_moments(images: np.ndarray) -> tuple[list[int], list[int]]:
     return sums, squares
 
 
-def _write_all(tmp: Path, cfg: DataConfig, source: Source) -> Manifest:
+def _write_all(tmp: Path, cfg: DataConfig, source: Source, fingerprint: str) -> Manifest:
     writers = {split: _ShardWriter(tmp, split, cfg.samples_per_shard) for split in SPLITS}
     sums, squares, pixels = [0] * cfg.channels, [0] * cfg.channels, 0
     try:
@@ -141,29 +148,30 @@ def _write_all(tmp: Path, cfg: DataConfig, source: Source) -> Manifest:
     mean = np.array(sums, dtype=np.float64) / (255.0 * max(pixels, 1))
     second = np.array(squares, dtype=np.float64) / (255.0 ** 2 * max(pixels, 1))
     std = np.sqrt(np.maximum(second - mean ** 2, 1e-12))
-    return Manifest(source=cfg.source, classes=source.classes,
+    return Manifest(source=cfg.source, source_fingerprint=fingerprint, classes=source.classes,
                     shape=(cfg.channels, cfg.image_size, cfg.image_size),
                     mean=[round(float(m), 6) for m in mean], std=[round(float(s), 6) for s in std],
                     seed=cfg.seed, splits=splits, config=staging_key(cfg))
 
 
-def stage(cfg: DataConfig, output: str | Path, overwrite: bool = False, *,
-          replace_unusable: bool = False) -> Manifest:
+def stage(cfg: DataConfig, output: str | Path, overwrite: bool = False, *, replace_unusable: bool = False,
+          progress: Callable[[str], None] = log.info) -> Manifest:
     """Stage ``cfg.source`` into ``output`` atomically and return its manifest.
 
-    An existing complete staging of the same source, size and seed is verified and reused; if one of its
-    shards fails verification it is staged again and swapped into place (with a warning naming the file).
+    An existing complete staging of the same settings and source fingerprint is verified and reused; if
+    one of its shards fails verification it is staged again and swapped into place (with a warning naming
+    the file); one of an earlier state of the source (another fingerprint) is staged again in its place.
     Anything else already at ``output`` is an error unless ``overwrite`` is set, or ``replace_unusable``
     (for callers that own ``output``, such as the stage task's cache directory): then an unreadable or
-    different staging there is replaced.
+    different staging there is replaced. ``progress`` gets the imagefolder listing's progress lines.
     """
     output = Path(output)
+    source, fingerprint = open_source(cfg, progress)
     if output.exists() and not overwrite:
-        existing = _reusable(output, cfg, replace_unusable)
+        existing = _reusable(output, cfg, fingerprint, replace_unusable)
         if existing is not None:
             log.info("already staged at %s (%s); reusing it", output, summary(existing))
             return existing
-    source = source_chunks(cfg)
     tmp = output.parent / f".{output.name}.staging-{uuid.uuid4().hex[:8]}"
     try:
         output.parent.mkdir(parents=True, exist_ok=True)
@@ -172,7 +180,7 @@ def stage(cfg: DataConfig, output: str | Path, overwrite: bool = False, *,
     except OSError as exc:
         raise _os_error(exc, output, tmp, setup=True) from exc
     try:
-        manifest = _write_all(tmp, cfg, source)
+        manifest = _write_all(tmp, cfg, source, fingerprint)
         _publish(tmp, output, manifest)
     except BaseException as exc:
         shutil.rmtree(tmp, ignore_errors=True)
@@ -235,9 +243,10 @@ def _publish(tmp: Path, output: Path, manifest: Manifest) -> None:
         tmp.rename(output)
 
 
-def _reusable(output: Path, cfg: DataConfig, replace_unusable: bool) -> Manifest | None:
-    """The verified staging of ``cfg`` at ``output``, or None to stage again; raises when ``output`` holds
-    something else that only ``overwrite`` (or ``replace_unusable``) may replace."""
+def _reusable(output: Path, cfg: DataConfig, fingerprint: str, replace_unusable: bool) -> Manifest | None:
+    """The verified staging of ``cfg`` with this source ``fingerprint`` at ``output``, or None to stage
+    again; raises when ``output`` holds something else that only ``overwrite`` (or ``replace_unusable``)
+    may replace."""
     try:
         manifest = Manifest.load(output)
         problem = (None if manifest.config == staging_key(cfg) else
@@ -249,6 +258,10 @@ def _reusable(output: Path, cfg: DataConfig, replace_unusable: bool) -> Manifest
             raise StagingError(f"{output} already exists and {problem}: choose another --output or pass "
                                "--overwrite")
         log.warning("%s %s; staging it again in its place", output, problem)
+        return None
+    if manifest.source_fingerprint != fingerprint:
+        log.info("%s holds %s as it was (%s); it is %s now: staging it again in its place", output,
+                 cfg.source, manifest.source_fingerprint, fingerprint)
         return None
     try:
         verify_staging(output, manifest)
@@ -266,10 +279,11 @@ def staging_key(cfg: DataConfig) -> dict:
 
 
 def summary(manifest: Manifest) -> str:
-    """One line: source, classes, shape and split sizes."""
+    """One line: source, classes, shape, split sizes and the source fingerprint."""
     c, h, w = manifest.shape
     counts = ", ".join(f"{name} {info.count}" for name, info in manifest.splits.items())
-    return (f"{manifest.source}: {manifest.num_classes} classes, {c}x{h}x{w} uint8, {counts} samples")
+    return (f"{manifest.source}: {manifest.num_classes} classes, {c}x{h}x{w} uint8, {counts} samples, "
+            f"source {manifest.source_fingerprint}")
 
 
 def directory_bytes(directory: str | Path) -> int:

@@ -144,7 +144,8 @@ class Env:
         from flytekit.types.directory import FlyteDirectory
 
         return StagedDataset(directory=FlyteDirectory(str(directory)), source="synthetic", classes=["a", "b"],
-                             shape=[3, 12, 12], counts={"train": 1}, format_version=1)
+                             shape=[3, 12, 12], counts={"train": 1}, format_version=1,
+                             source_fingerprint="synthetic:sha256:" + "0" * 32)
 
     def read_only(self, name: str) -> Path:
         """A directory this process cannot write, whoever runs the tests: mode 0555 for a user; as root
@@ -440,7 +441,7 @@ def invoke(case: Case, env: Env, made: Any) -> tuple[int | None, str]:
     if case.target == "plan":
         call = lambda: plan_run(**PLAN | made)  # noqa: E731
     elif case.target == "stage_task":
-        call = lambda: stage_dataset(data=made)  # noqa: E731
+        call = lambda: stage_dataset(data=made, source_fingerprint="not-fingerprinted")  # noqa: E731
     elif case.target == "train_task":
         config, directory = made
         task = train_task_for(Topology(nproc_per_node=2), config)

@@ -26,6 +26,7 @@ import traincore.stage
 from tasks.stage import stage_dataset
 from traincore.config import DataConfig
 from traincore.data import MANIFEST, VERIFIED, Manifest, StagingError, read_record
+from traincore.fingerprint import source_fingerprint
 from traincore.loader import StagedSplit
 from traincore.presets import preset
 from traincore.train import preflight
@@ -231,8 +232,14 @@ TASK_DATA = DataConfig(source="synthetic", image_size=8, synthetic_samples=90, s
                        samples_per_shard=30, seed=7)
 
 
+def staged_by_task() -> Path:
+    """Run the stage task on TASK_DATA as the pipeline does; returns its staged directory."""
+    staged = stage_dataset(data=TASK_DATA, source_fingerprint=source_fingerprint(TASK_DATA))
+    return Path(staged.directory.path)
+
+
 def test_stage_task_restages_a_corrupt_staging_in_place(monkeypatch, caplog):
-    first = Path(stage_dataset(data=TASK_DATA).directory.path)
+    first = staged_by_task()
     intact = {p.name: p.read_bytes() for p in first.iterdir() if p.name != VERIFIED}
     flip_byte(first / "train-00001.u8", offset=7)
     # The task body must run again (Flyte's own cache would answer without it): a new cache version.
@@ -242,7 +249,7 @@ def test_stage_task_restages_a_corrupt_staging_in_place(monkeypatch, caplog):
                         lambda *a, **k: calls.append(k) or traincore.stage.stage(*a, **k))
     caplog.set_level(logging.WARNING, logger="traincore.stage")
 
-    again = Path(stage_dataset(data=TASK_DATA).directory.path)
+    again = staged_by_task()
     assert again == first and len(calls) == 1
     assert f"{first / 'train-00001.u8'} fails its sha256 check" in caplog.text
     assert {p.name: p.read_bytes() for p in first.iterdir() if p.name != VERIFIED} == intact
@@ -253,7 +260,7 @@ def test_stage_task_restages_a_corrupt_staging_in_place(monkeypatch, caplog):
     (first / MANIFEST).write_text('{"format_version": 1, "sou')
     monkeypatch.setattr(stage_dataset.metadata, "cache_version", "restage-after-torn-manifest")
     caplog.clear()
-    assert Path(stage_dataset(data=TASK_DATA).directory.path) == first
+    assert staged_by_task() == first
     assert f"{first / MANIFEST} is not valid JSON" in caplog.text
     assert Manifest.load(first).config["seed"] == 7
 

@@ -23,7 +23,8 @@ def compile_train(topology: Topology) -> TaskTemplate:
                                      project="flytesnacks", domain="development", version="v1", env={})
     dataset = StagedDataset(directory=FlyteDirectory("s3://bucket/staged"), source="digits",
                             classes=list("0123456789"), shape=[1, 32, 32],
-                            counts={"train": 1437, "val": 180, "test": 180}, format_version=1)
+                            counts={"train": 1437, "val": 180, "test": 180}, format_version=1,
+                            source_fingerprint="digits:sha256:" + "0" * 32)
     inputs = {"config": preset("digits"), "dataset": dataset, "topology": topology, "checkpoint_uri": "s3://bucket/run"}
     train_on_backend._wf = None  # flytekit compiles a dynamic once per process (a pod runs one); start afresh
     ctx = FlyteContextManager.current_context()

@@ -16,6 +16,7 @@ from tasks.plan import (
     plan_run,
 )
 from tasks.types import Topology
+from traincore.fingerprint import source_fingerprint
 from traincore.presets import preset
 
 PLAN_DEFAULTS = dict(source="digits", preset="digits", config_overrides="", epochs=0, max_steps=0,
@@ -96,6 +97,7 @@ def test_multi_node_object_store_checkpoints_need_sync_mode_and_no_elastic_resta
 def test_plan_task_runs_locally_and_rejects_multi_node():
     plan = plan_run(**PLAN_DEFAULTS | dict(source="synthetic", max_steps=12, nproc_per_node=1))
     assert plan.config.data == plan.data and plan.data.source == "synthetic"
+    assert plan.source_fingerprint == source_fingerprint(plan.data)
     assert plan.config.train.max_steps == 12
     assert plan.topology == Topology(nproc_per_node=1, rdzv_timeout_s=plan.config.dist.init_timeout_s)
     with pytest.raises(Exception, match="needs a Flyte cluster"):
@@ -147,3 +149,20 @@ def test_unknown_uri_scheme_of_the_source_is_named():
     with pytest.raises(LaunchInputError, match=r"input source='imagefolder:htps://x/y': 'htps://x/y' has the "
                                                "unknown scheme htps://"):
         check_source("imagefolder:htps://x/y")
+
+
+def test_plan_fingerprints_the_source_as_it_is_at_each_run(image_folder_factory, capsys):
+    root = image_folder_factory(per_class=3, classes=2)
+    run = PLAN_DEFAULTS | dict(source=f"imagefolder:{root}", nproc_per_node=1)
+    first = plan_run(**run).source_fingerprint
+    assert first.startswith("imagefolder:sha256:") and first in capsys.readouterr().out
+    assert plan_run(**run).source_fingerprint == first  # not cached, and the same for the same folder
+    (root / "class_1" / "added.jpg").write_bytes((root / "class_1" / "img_000.jpg").read_bytes())
+    assert plan_run(**run).source_fingerprint not in (first, "")
+
+
+def test_an_imagefolder_the_staging_would_refuse_fails_the_plan(image_folder_factory):
+    root = image_folder_factory(per_class=3, classes=1)
+    with pytest.raises(LaunchInputError, match=r"input source='imagefolder:.*' has images for only one "
+                                               "class"):
+        plan_run(**PLAN_DEFAULTS | dict(source=f"imagefolder:{root}"))

@@ -1,29 +1,40 @@
-"""The stage task run locally: where it stages, and reuse of an earlier staging on a cache miss."""
+"""The stage task run locally: where it stages, reuse of an earlier staging on a cache miss, and the
+source fingerprint in the cache key: a grown folder is staged again, an unchanged one hits the cache."""
 
 from __future__ import annotations
 
+import logging
 import os
+import shutil
 from pathlib import Path
 
+from flytekit import workflow
+
 import tasks.stage
+from tasks.plan import plan_run
 from tasks.stage import stage_dataset
+from tasks.types import StagedDataset
 from traincore.config import DataConfig
 from traincore.data import Manifest
+from traincore.fingerprint import source_fingerprint
 from traincore.stage import stage
 
 DATA = DataConfig(source="synthetic", image_size=8, synthetic_samples=60, synthetic_classes=3)
+FINGERPRINT = source_fingerprint(DATA)
 
 
 def test_local_staging_lives_in_the_user_cache_not_under_tmp():
-    staged = stage_dataset(data=DATA)
+    staged = stage_dataset(data=DATA, source_fingerprint=FINGERPRINT)
     path = Path(staged.directory.path)
     assert path.is_relative_to(Path(os.environ["XDG_CACHE_HOME"]) / "flyte-torch-pipeline" / "staged")
     assert Manifest.load(path).splits["train"].count == staged.counts["train"]
+    assert staged.source_fingerprint == FINGERPRINT
 
 
 def test_a_different_config_stages_elsewhere_and_the_same_config_reuses(monkeypatch):
-    first = Path(stage_dataset(data=DATA).directory.path)
-    other = Path(stage_dataset(data=DataConfig(**{**DATA.__dict__, "seed": 1})).directory.path)
+    first = Path(stage_dataset(data=DATA, source_fingerprint=FINGERPRINT).directory.path)
+    seed = DataConfig(**{**DATA.__dict__, "seed": 1})
+    other = Path(stage_dataset(data=seed, source_fingerprint=source_fingerprint(seed)).directory.path)
     assert first != other
     written = (first / "manifest.json").stat().st_mtime_ns
     calls = []
@@ -31,6 +42,51 @@ def test_a_different_config_stages_elsewhere_and_the_same_config_reuses(monkeypa
     # Flyte's own cache is bypassed here (a new cache version), so the task body runs and must reuse the
     # complete staging on disk instead of writing it again.
     monkeypatch.setattr(stage_dataset.metadata, "cache_version", "bypass-for-this-test")
-    again = Path(stage_dataset(data=DATA).directory.path)
+    again = Path(stage_dataset(data=DATA, source_fingerprint=FINGERPRINT).directory.path)
     assert len(calls) == 1
     assert again == first and (first / "manifest.json").stat().st_mtime_ns == written
+
+
+@workflow
+def plan_and_stage(source: str) -> StagedDataset:
+    """The pipeline's first two steps, wired as workflows/pipeline.py wires them."""
+    plan = plan_run(source=source, preset="digits", config_overrides='{"data": {"image_size": 8}}', epochs=0,
+                    max_steps=0, backend="local", nnodes=1, nproc_per_node=1, gpus_per_node=0, accelerator="",
+                    max_restarts=0, checkpoint_uri="", slurm_target="", slurm_partition="", slurm_account="",
+                    slurm_time_limit="", slurm_sbatch_flags="", slurm_setup="")
+    return stage_dataset(data=plan.data, source_fingerprint=plan.source_fingerprint)
+
+
+def test_a_growing_folder_is_staged_again_and_an_unchanged_one_hits_the_cache(image_folder_factory,
+                                                                              monkeypatch):
+    root = image_folder_factory("weekly", per_class=4, classes=3)
+    calls = []
+    monkeypatch.setattr(tasks.stage, "stage", lambda *a, **k: calls.append(a) or stage(*a, **k))
+    source = f"imagefolder:{root}"
+
+    first = plan_and_stage(source=source)
+    assert len(calls) == 1 and sum(first.counts.values()) == 12
+    for index in range(3):  # a week of new images
+        shutil.copyfile(root / f"class_{index}" / "img_000.jpg", root / f"class_{index}" / "new_000.jpg")
+    second = plan_and_stage(source=source)
+    assert len(calls) == 2, "the grown folder hit the staging cache"
+    assert sum(second.counts.values()) == 15
+    assert second.source_fingerprint != first.source_fingerprint
+    assert second.directory.path != first.directory.path
+    third = plan_and_stage(source=source)
+    assert len(calls) == 2, "the unchanged folder was staged again"
+    assert third.source_fingerprint == second.source_fingerprint
+    assert Path(third.directory.path) == Path(second.directory.path)
+    assert Manifest.load(third.directory.path).source_fingerprint == second.source_fingerprint
+
+
+def test_a_source_changed_after_the_plan_is_staged_as_read_and_says_so(image_folder_factory, caplog):
+    root = image_folder_factory("moving", per_class=3, classes=2)
+    data = DataConfig(source=f"imagefolder:{root}", image_size=8, decode_workers=1)
+    planned = source_fingerprint(data)
+    (root / "class_0" / "late.jpg").write_bytes((root / "class_0" / "img_000.jpg").read_bytes())
+    caplog.set_level(logging.WARNING, logger="tasks.stage")
+    staged = stage_dataset(data=data, source_fingerprint=planned)
+    assert staged.source_fingerprint == source_fingerprint(data) != planned
+    assert sum(staged.counts.values()) == 7
+    assert f"changed after plan_run fingerprinted it ({planned})" in caplog.text

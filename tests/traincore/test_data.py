@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
 import shutil
 from pathlib import Path
@@ -11,7 +12,7 @@ import numpy as np
 import pytest
 
 from traincore.config import DataConfig
-from traincore.data import SPLITS, VERIFIED, Manifest, StagingError
+from traincore.data import FORMAT_VERSION, SPLITS, VERIFIED, Manifest, StagingError
 from traincore.loader import StagedSplit
 from traincore.sources import Source, split_counts
 from traincore.stage import stage
@@ -208,6 +209,23 @@ def test_unknown_split_and_format_version(damaged_copy):
     with pytest.raises(StagingError, match="split 'holdout' is not in"):
         StagedSplit(damaged_copy, "holdout")
     manifest = (damaged_copy / "manifest.json")
-    manifest.write_text(manifest.read_text().replace('"format_version": 1', '"format_version": 99'))
+    text = manifest.read_text()
+    assert f'"format_version": {FORMAT_VERSION}' in text
+    manifest.write_text(text.replace(f'"format_version": {FORMAT_VERSION}', '"format_version": 99'))
     with pytest.raises(StagingError, match="format 99.*stage the data again"):
+        Manifest.load(damaged_copy)
+
+
+@pytest.mark.parametrize(("damage", "message"), [
+    (lambda m: m.pop("source_fingerprint"), "has no 'source_fingerprint'"),
+    (lambda m: m.update(source_fingerprint=""), "has source_fingerprint='', expected a non-empty string"),
+    (lambda m: m.update(source_fingerprint=7), "has source_fingerprint=7, expected a non-empty string"),
+])
+def test_manifest_must_record_the_source_fingerprint(damaged_copy, damage, message):
+    path = damaged_copy / "manifest.json"
+    raw = json.loads(path.read_text())
+    assert Manifest.load(damaged_copy).source_fingerprint == raw["source_fingerprint"] != ""
+    damage(raw)
+    path.write_text(json.dumps(raw))
+    with pytest.raises(StagingError, match=f"{message}.*stage it again"):
         Manifest.load(damaged_copy)

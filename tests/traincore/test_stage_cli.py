@@ -24,7 +24,10 @@ def test_stages_and_prints_a_summary(tmp_path):
     expected = "staged synthetic: 3 classes, 3x8x8 uint8, train 48, val 6, test 6 samples"
     assert result.stdout.startswith(expected)
     assert f"-> {output} (" in result.stdout
-    assert Manifest.load(output).splits["train"].count == 48
+    manifest = Manifest.load(output)
+    assert manifest.splits["train"].count == 48
+    assert manifest.source_fingerprint.startswith("synthetic:sha256:")
+    assert f"samples, source {manifest.source_fingerprint} -> {output}" in result.stdout
 
 
 def test_bad_source_exits_2_with_error(tmp_path):
@@ -53,3 +56,18 @@ def test_existing_different_staging_needs_overwrite(tmp_path, capsys):
     assert "--overwrite" in capsys.readouterr().err
     assert main([*common, "--seed", "1", "--overwrite"]) == 0
     assert Manifest.load(tmp_path / "d").seed == 1
+
+
+def test_a_grown_imagefolder_is_staged_again_in_place(image_folder_factory, tmp_path, capsys):
+    root = image_folder_factory(per_class=3, classes=2)
+    output = tmp_path / "d"
+    common = ["--source", f"imagefolder:{root}", "--image-size", "8", "--decode-workers", "1",
+              "--output", str(output)]
+    assert main(common) == 0
+    first = Manifest.load(output)
+    (root / "class_1" / "copy.jpg").write_bytes((root / "class_1" / "img_000.jpg").read_bytes())
+    assert main(common) == 0  # same settings, newer source: no --overwrite needed
+    grown = Manifest.load(output)
+    assert sum(s.count for s in grown.splits.values()) == sum(s.count for s in first.splits.values()) + 1
+    assert grown.source_fingerprint != first.source_fingerprint
+    assert f"source {grown.source_fingerprint} -> {output}" in capsys.readouterr().out
