@@ -1,4 +1,8 @@
-"""Pictures for the evaluation Deck: training curves and the confusion matrix as PNGs inside HTML."""
+"""The Decks a reviewer reads: the evaluation Deck and the promotion Deck, with their pictures.
+
+Pictures are PNGs drawn with matplotlib and embedded as data URIs, tables come from :mod:`tasks.decks`: each
+Deck is one self-contained HTML page.
+"""
 
 from __future__ import annotations
 
@@ -8,15 +12,27 @@ import io
 import json
 from pathlib import Path
 
-import matplotlib
+from matplotlib.axes import Axes
+from matplotlib.figure import Figure
+from matplotlib.ticker import PercentFormatter
 
-matplotlib.use("Agg")  # no display in a pod, nor in CI
+from tasks.decks import (
+    STYLE,
+    by_class,
+    figures_table,
+    lineage_pair_table,
+    lineage_table,
+    per_class_delta_table,
+    per_class_table,
+    validation_table,
+)
+from traincore.evaluate import EvalResult, format_result
 
-import matplotlib.pyplot as plt  # noqa: E402
-
-# (kind, metric, panel title): one panel per metric that metrics.jsonl actually holds.
-CURVES = (("train", "loss", "training loss"), ("eval", "accuracy", "validation accuracy"),
-          ("train", "lr", "learning rate"), ("train", "samples_per_s", "samples/s"))
+# (metric, panel title): one panel per training metric that metrics.jsonl actually holds ("train" records).
+CURVES = (("loss", "training loss"), ("lr", "learning rate"), ("samples_per_s", "samples/s"),
+          ("data_wait_share", "data-wait share (time in next())"))
+# Up to this many points a curve gets its values written next to the markers; beyond, they would overlap.
+LABELLED_POINTS = 12
 
 
 def read_metrics(path: str | Path) -> list[dict]:
@@ -30,27 +46,77 @@ def read_metrics(path: str | Path) -> list[dict]:
     return records
 
 
-def _png(figure: plt.Figure) -> bytes:
+def _points(records: list[dict], kind: str, metric: str) -> list[tuple[int, float]]:
+    """(step, value) of ``metric`` in the records of ``kind``, by step."""
+    return sorted((r["step"], r[metric]) for r in records if r.get("kind") == kind and metric in r)
+
+
+def _png(figure: Figure) -> bytes:
     buffer = io.BytesIO()
     figure.savefig(buffer, format="png", dpi=100, bbox_inches="tight")
-    plt.close(figure)
     return buffer.getvalue()
 
 
+def _plot(axis: Axes, points: list[tuple[int, float]], label: str | None = None, fmt: str = ".3f",
+          **style) -> None:
+    """A curve against the step; a short one gets markers and its values written at each point."""
+    steps, values = zip(*points, strict=True)
+    few = len(points) <= LABELLED_POINTS
+    axis.plot(steps, values, marker="o" if few else None, label=label, **style)
+    if few:
+        for step, value in points:
+            axis.annotate(format(value, fmt), (step, value), textcoords="offset points", xytext=(0, 6),
+                          ha="center", fontsize=8)
+
+
 def curves_png(records: list[dict]) -> bytes | None:
-    """One panel per available curve against the step; None when there is nothing to draw."""
-    series = []
-    for kind, metric, title in CURVES:
-        points = [(r["step"], r[metric]) for r in records if r.get("kind") == kind and metric in r]
-        if points:
-            series.append((title, points))
+    """One panel per available training curve against the step; None when there is nothing to draw."""
+    series = [(metric, title, points) for metric, title in CURVES
+              if (points := _points(records, "train", metric))]
     if not series:
         return None
-    figure, axes = plt.subplots(1, len(series), figsize=(4 * len(series), 3.2), squeeze=False)
-    for axis, (title, points) in zip(axes[0], series, strict=True):
+    # Two panels a row: four side by side would be wider than the Deck.
+    columns, rows = min(2, len(series)), (len(series) + 1) // 2
+    figure = Figure(figsize=(4.5 * columns, 3.2 * rows), layout="constrained")
+    axes = figure.subplots(rows, columns, squeeze=False).flatten()
+    for axis in axes[len(series):]:
+        axis.set_visible(False)  # an odd panel count leaves one cell empty
+    for axis, (metric, title, points) in zip(axes, series, strict=False):
         steps, values = zip(*points, strict=True)
         axis.plot(steps, values, marker="." if len(points) < 30 else None)
+        if metric == "data_wait_share":
+            axis.yaxis.set_major_formatter(PercentFormatter(1.0))
+            axis.set_ylim(0, max(max(values) * 1.1, 0.05))  # a near-zero share must read as near zero
         axis.set_title(title)
+        axis.set_xlabel("step")
+        axis.grid(alpha=0.3)
+    return _png(figure)
+
+
+def validation_png(records: list[dict]) -> bytes | None:
+    """Validation accuracy, and validation loss over the training loss, against the step; None without
+    validation records. Validation runs a few times per run, so each point is marked and labelled."""
+    accuracy = _points(records, "eval", "accuracy")
+    val_loss = _points(records, "eval", "loss")
+    if not (accuracy or val_loss):
+        return None
+    figure = Figure(figsize=(9, 3.4))
+    left, right = figure.subplots(1, 2)
+    if accuracy:
+        _plot(left, accuracy, color="tab:green")
+        # Room above 1.0 for the labels over the points, but no tick there: accuracy ends at 1.
+        lowest = min(v for _, v in accuracy) - 0.05
+        left.set_ylim(lowest, 1.1)
+        left.set_yticks([tick for tick in left.get_yticks() if lowest <= tick <= 1.0])
+    left.set_title("validation accuracy")
+    train_loss = _points(records, "train", "loss")
+    if train_loss:
+        right.plot(*zip(*train_loss, strict=True), color="tab:blue", alpha=0.5, label="training")
+    if val_loss:
+        _plot(right, val_loss, label="validation", color="tab:orange")
+    right.set_title("loss")
+    right.legend(fontsize=8)
+    for axis in (left, right):
         axis.set_xlabel("step")
         axis.grid(alpha=0.3)
     return _png(figure)
@@ -59,7 +125,8 @@ def curves_png(records: list[dict]) -> bytes | None:
 def confusion_png(confusion: list[list[int]], classes: list[str]) -> bytes:
     """The confusion matrix as a heat map with the counts written in."""
     size = max(4.0, 0.45 * len(classes) + 2)
-    figure, axis = plt.subplots(figsize=(size, size))
+    figure = Figure(figsize=(size, size))
+    axis = figure.subplots()
     axis.imshow(confusion, cmap="Blues")
     ticks = range(len(classes))
     axis.set_xticks(ticks, classes, rotation=90 if len(classes) > 10 else 0)
@@ -75,8 +142,75 @@ def confusion_png(confusion: list[list[int]], classes: list[str]) -> bytes:
     return _png(figure)
 
 
+def per_class_png(challenger: EvalResult, champion: EvalResult | None) -> bytes:
+    """Per-class precision and recall as bars, the champion's (matched by class name) beside the
+    challenger's."""
+    width = min(max(6.0, 0.5 * len(challenger.classes) + 2), 30.0)
+    figure = Figure(figsize=(width, 5.5))
+    axes = figure.subplots(2, 1, sharex=True)
+    positions = range(len(challenger.classes))
+    for axis, metric in zip(axes, ("precision", "recall"), strict=True):
+        mine = getattr(challenger, metric)
+        if champion is not None:
+            theirs = by_class(champion, metric)
+            old = [theirs.get(name, 0.0) for name in challenger.classes]
+            axis.bar([p - 0.2 for p in positions], old, width=0.4, color="tab:gray", label="champion")
+        axis.bar([p + (0.2 if champion else 0.0) for p in positions], mine, width=0.4 if champion else 0.6,
+                 color="tab:blue", label="challenger")
+        axis.set_ylim(0, 1.05)
+        axis.set_ylabel(metric)
+        axis.grid(axis="y", alpha=0.3)
+        axis.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.0, 1.0))  # beside the bars, not on them
+    axes[1].set_xticks(positions, challenger.classes, rotation=90 if len(challenger.classes) > 10 else 0)
+    return _png(figure)
+
+
 def figure_html(title: str, png: bytes) -> str:
     """An HTML section with ``png`` embedded as a data URI, so the Deck needs no other file."""
     data = base64.b64encode(png).decode("ascii")
     title = html.escape(title)
-    return f'<h3>{title}</h3>\n<img alt="{title}" src="data:image/png;base64,{data}"/>'
+    return f'<h3>{title}</h3>\n<img class="deck-figure" alt="{title}" src="data:image/png;base64,{data}"/>'
+
+
+def evaluation_deck_html(result: EvalResult, metrics: list[dict], lineage: dict | None) -> str:
+    """The evaluation Deck: the accuracy line, training and validation curves (with the validation points
+    as a table), the confusion matrix, per-class precision/recall and, when given, the model's lineage."""
+    parts = [STYLE, f"<p><b>{html.escape(format_result(result))}</b></p>"]
+    curves = curves_png(metrics)
+    if curves is None:
+        parts.append("<p>No training records (metrics.jsonl): no training curves to draw.</p>")
+    else:
+        parts.append(figure_html("Training curves (metrics.jsonl)", curves))
+    validation = validation_png(metrics)
+    if validation is not None:
+        parts.append(figure_html("Validation during training", validation))
+        parts.append(validation_table(sorted((r for r in metrics if r.get("kind") == "eval"),
+                                             key=lambda r: r["step"])))
+    parts.append(figure_html(f"Confusion matrix ({result.split} split)", confusion_png(result.confusion,
+                                                                                        result.classes)))
+    parts.append(per_class_table(result))
+    if lineage:
+        parts.append(lineage_table(lineage))
+    return "\n".join(parts)
+
+
+def promotion_deck_html(challenger: EvalResult, champion: EvalResult | None, reason: str,
+                        challenger_lineage: dict, champion_lineage: dict | None, *, promoted: bool) -> str:
+    """The promotion Deck: the gate's verdict (``promoted``) and its reason, both models' figures and
+    per-class deltas (worse ones highlighted) and both lineages side by side. Without a champion (the first
+    run) the challenger's figures stand alone."""
+    verdict = (f'<p class="verdict {"promoted" if promoted else "refused"}" id="verdict">'
+               f'{"PROMOTED" if promoted else "NOT PROMOTED"}</p>')
+    parts = [STYLE, verdict, f'<p id="reason">{html.escape(reason)}</p>']
+    if champion is None:
+        parts.append('<p id="first-run">First run: no champion is in service, so there is nothing to compare '
+                     "against; the challenger's figures stand alone.</p>")
+    parts.append(figures_table(challenger, champion))
+    parts.append(figure_html("Per-class precision and recall", per_class_png(challenger, champion)))
+    if champion is None:
+        parts += [per_class_table(challenger), lineage_table(challenger_lineage)]
+    else:
+        # A champion published before lineage was recorded has none: its column then stays empty.
+        parts += [per_class_delta_table(challenger, champion),
+                  lineage_pair_table(challenger_lineage, champion_lineage or {})]
+    return "\n".join(parts)
