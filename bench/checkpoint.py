@@ -2,20 +2,29 @@
 
 A stack of square nn.Linear layers (``--params``, default 100M) trained with AdamW gives a ~1.2 GB state.
 Each mode saves ``--repeats`` times with training steps in between (for async, enough to cover one
-write, so that it overlaps with compute). The state goes through the same StateRegistry the trainer builds.
-Blocking seconds = training stalled inside save(); total
-seconds = from save() until the commit marker exists. The disk limit is measured in the same run: the
-faster of two fsync'd sequential writes of the same byte count to the same directory, one through the
-page cache and one with direct I/O. Targets: async blocking <= 1/20 of sync; write throughput >= 50% of
-the disk limit. It also prints what torch.save's own zip CRC32 costs: we keep it on, since turning it off
+write, so that it overlaps with compute). The state goes through the same StateRegistry the trainer builds,
+and the training step calls ``wait_for_snapshot()`` before ``optimizer.step()`` as the trainer does.
+Blocking seconds = training stalled inside save(); step wait = stalled in ``wait_for_snapshot()`` before
+the next optimizer step (async: the copy still running); total seconds = from save() until the commit
+marker exists. ``async-copy`` is async with ``checkpoint.overlap_copy=false``: the whole copy before save()
+returns, as async saves did before the copy overlapped the next step.
+
+Baselines measured in the same run: one in-memory copy of the state's tensors into buffers touched before
+(what staging costs at best), and the disk limit: the faster of two fsync'd sequential writes of the same
+byte count to the same directory, one through the page cache and one with direct I/O. Targets: async
+blocking <= 10% of one in-memory copy (and <= 1/20 of sync); write throughput >= 50% of the disk limit. It
+also prints what torch.save's own zip CRC32 costs: we keep it on, since turning it off
 (torch.serialization.set_crc32_options) would change every torch.save in the process, a user's too.
 
-    python bench/checkpoint.py [--params 100M] [--dir DIR] [--repeats 3]
+    python bench/checkpoint.py [--params 100M] [--dir DIR] [--repeats 3] [--json PATH]
+
+``--json`` writes {"benchmark": "checkpoint", "results": [one dict per mode], "ratios": {...}}.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import math
 import mmap
 import os
@@ -31,11 +40,14 @@ from torch import nn
 
 from traincore.checkpoint import Checkpointer
 from traincore.checkpoint_writer import ChecksumWriter
-from traincore.config import CHECKPOINT_MODES, CheckpointConfig
+from traincore.config import CheckpointConfig
 from traincore.state import Progress, training_registry
 
 WIDTH = 4096
 BATCH = 8
+# What each row saves with; async-copy is the blocking copy async saves made before the copy overlapped.
+VARIANTS = {"sync": {"mode": "sync"}, "dcp": {"mode": "dcp"},
+            "async-copy": {"mode": "async", "overlap_copy": False}, "async": {"mode": "async"}}
 
 
 class CountingLoader:
@@ -81,22 +93,46 @@ def build_state(params: int) -> TrainState:
     return state
 
 
-def train(state: TrainState, steps: int) -> None:
-    """``steps`` forward/backward/AdamW steps on random data."""
+def train(state: TrainState, steps: int, checkpointer: Checkpointer | None = None) -> float:
+    """``steps`` forward/backward/AdamW steps on random data; returns seconds spent waiting for a snapshot."""
+    waited = 0.0
     for _ in range(steps):
         loss = state.model(torch.randn(BATCH, WIDTH)).square().mean()
         loss.backward()
+        if checkpointer is not None:  # as the trainer's step does
+            start = time.perf_counter()
+            checkpointer.wait_for_snapshot()
+            waited += time.perf_counter() - start
         state.optimizer.step()
         state.optimizer.zero_grad(set_to_none=False)  # keeps gradients allocated: no page faults per step
         state.scheduler.step()
         state.loader.consumed += BATCH
         state.progress.step += 1
+    return waited
+
+
+def state_tensors(state: TrainState) -> list[torch.Tensor]:
+    """Model parameters and optimizer tensors: what a save copies."""
+    tensors = [*state.model.parameters(), *(t for s in state.optimizer.state.values() for t in s.values())]
+    return [t for t in tensors if torch.is_tensor(t)]
+
+
+def copy_seconds(state: TrainState, repeats: int = 3) -> float:
+    """Median seconds of one in-memory copy of the state's tensors into buffers touched before."""
+    sources = state_tensors(state)
+    buffers = [torch.empty_like(t) for t in sources]
+    seconds = []
+    for _ in range(repeats + 1):  # the first pass touches the buffers: a VM's fresh memory is slow once
+        start = time.perf_counter()
+        for buffer, source in zip(buffers, sources, strict=True):
+            buffer.copy_(source)
+        seconds.append(time.perf_counter() - start)
+    return statistics.median(seconds[1:])
 
 
 def state_bytes(state: TrainState) -> int:
     """Bytes of model parameters plus optimizer tensors."""
-    tensors = [*state.model.parameters(), *(t for s in state.optimizer.state.values() for t in s.values())]
-    return sum(t.numel() * t.element_size() for t in tensors if torch.is_tensor(t))
+    return sum(t.numel() * t.element_size() for t in state_tensors(state))
 
 
 def write_seconds(path: Path, block: mmap.mmap, num_bytes: int, direct: bool) -> float:
@@ -131,26 +167,29 @@ def disk_limit(directory: Path, num_bytes: int) -> dict[str, float]:
     return seconds
 
 
-def run_mode(state: TrainState, mode: str, directory: Path, repeats: int, steps_between: int) -> dict:
-    """Save ``repeats`` times in ``mode``; per-save blocking and total seconds, bytes per checkpoint.
+def run_mode(state: TrainState, variant: str, directory: Path, repeats: int, steps_between: int) -> dict:
+    """Save ``repeats`` times as ``variant``; per-save blocking, step-wait and total seconds, bytes.
 
     Blocking is timed around save() alone: an async save still in flight at the next save is waited
     for inside that save(), so a write slower than the training in between shows up as blocking.
     """
-    checkpointer = Checkpointer(directory / mode, CheckpointConfig(mode=mode, keep_last=1), state.registry)
-    blocking, committed = [], {}
+    cfg = CheckpointConfig(keep_last=1, **VARIANTS[variant])
+    checkpointer = Checkpointer(directory / variant, cfg, state.registry)
+    blocking, waits, committed = [], [], {}
     for _ in range(repeats):
-        train(state, steps_between)
+        waits.append(train(state, steps_between, checkpointer))
         start = time.perf_counter()
         checkpointer.save(state.progress.step)
         blocking.append(time.perf_counter() - start)
         if checkpointer.last_save is not None:  # async: the previous save, committed inside this save()
             committed[checkpointer.last_save.step] = checkpointer.last_save
+    waits.append(train(state, 1, checkpointer))  # the step after the last save waits for its copy too
     checkpointer.close()
     committed[checkpointer.last_save.step] = checkpointer.last_save
-    shutil.rmtree(directory / mode)
+    shutil.rmtree(directory / variant)
     stats = list(committed.values())
-    return {"blocking": blocking, "total": [s.total_s for s in stats], "bytes": stats[-1].num_bytes}
+    return {"blocking": blocking, "step_wait": waits[1:], "total": [s.total_s for s in stats],
+            "bytes": stats[-1].num_bytes}
 
 
 def median_total(result: dict) -> float:
@@ -163,28 +202,52 @@ def steady(values: list[float]) -> float:
     return statistics.mean(values[1:] or values)
 
 
-def report(results: dict[str, dict], disk_gbps: float) -> None:
-    """Print the table and the two target ratios."""
+def rows(results: dict[str, dict], disk_gbps: float, copy_s: float) -> list[dict]:
+    """One dict per variant: its figures and its ratios to the baselines."""
     sync_blocking = steady(results["sync"]["blocking"])
-    print(f"{'mode':<6} {'steps':>5} {'first blk s':>11} {'steady blk s':>12} {'total s':>8} {'GB':>5} "
-          f"{'GB/s':>6} {'blk/sync':>9} {'GB/s / disk':>12}")
-    for mode, r in results.items():
-        r["gbps"] = r["bytes"] / median_total(r) / 1e9
-        print(f"{mode:<6} {r['steps']:>5} {r['blocking'][0]:>11.3f} {steady(r['blocking']):>12.3f} "
-              f"{median_total(r):>8.2f} {r['bytes'] / 1e9:>5.2f} {r['gbps']:>6.3f} "
-              f"{steady(r['blocking']) / sync_blocking:>9.3f} {r['gbps'] / disk_gbps:>12.2f}")
-    ratio = steady(results["async"]["blocking"]) / sync_blocking
-    first = results["async"]["blocking"][0] / results["sync"]["blocking"][0]
-    print(f"async / sync blocking: steady {ratio:.3f}, first save {first:.3f} "
-          f"(target <= 0.050: {'met' if ratio <= 0.05 else 'MISSED'} in steady state)")
-    for mode, r in results.items():
-        share = r["gbps"] / disk_gbps
-        print(f"{mode} write throughput / disk limit: {share:.2f} (target >= 0.50: "
+    table = []
+    for variant, r in results.items():
+        gbps = r["bytes"] / median_total(r) / 1e9
+        table.append({"variant": variant, **VARIANTS[variant], "steps_between": r["steps"],
+                      "blocking_first_s": r["blocking"][0], "blocking_steady_s": steady(r["blocking"]),
+                      "step_wait_s": steady(r["step_wait"]), "total_s": median_total(r), "bytes": r["bytes"],
+                      "write_gbps": gbps, "blocking_over_sync": steady(r["blocking"]) / sync_blocking,
+                      "blocking_over_copy": steady(r["blocking"]) / copy_s,
+                      "write_over_disk": gbps / disk_gbps})
+    return table
+
+
+def report(table: list[dict], copy_s: float) -> dict[str, float]:
+    """Print the table and the target ratios; returns the ratios."""
+    print(f"{'variant':<10} {'steps':>5} {'first blk s':>11} {'steady blk s':>12} {'step wait s':>11} "
+          f"{'total s':>8} {'GB':>5} {'GB/s':>6} {'blk/sync':>9} {'blk/copy':>9} {'GB/s / disk':>12}")
+    for row in table:
+        print(f"{row['variant']:<10} {row['steps_between']:>5} {row['blocking_first_s']:>11.3f} "
+              f"{row['blocking_steady_s']:>12.3f} {row['step_wait_s']:>11.3f} {row['total_s']:>8.2f} "
+              f"{row['bytes'] / 1e9:>5.2f} {row['write_gbps']:>6.3f} {row['blocking_over_sync']:>9.3f} "
+              f"{row['blocking_over_copy']:>9.3f} {row['write_over_disk']:>12.2f}")
+    by_variant = {row["variant"]: row for row in table}
+    ratios = {"async_blocking_over_copy": by_variant["async"]["blocking_over_copy"],
+              "async_copy_blocking_over_copy": by_variant["async-copy"]["blocking_over_copy"],
+              "async_blocking_over_sync": by_variant["async"]["blocking_over_sync"],
+              "async_first_blocking_over_sync": by_variant["async"]["blocking_first_s"]
+              / by_variant["sync"]["blocking_first_s"],
+              **{f"{row['variant']}_write_over_disk": row["write_over_disk"] for row in table}}
+    print(f"one in-memory copy of the state: {copy_s:.3f} s")
+    for over, target in (("copy", 0.1), ("sync", 0.05)):
+        ratio = ratios[f"async_blocking_over_{over}"]
+        print(f"async blocking / {over}: {ratio:.3f} in steady state (target <= {target}: "
+              f"{'met' if ratio <= target else 'MISSED'}); async-copy: "
+              f"{by_variant['async-copy'][f'blocking_over_{over}']:.3f}")
+    for row in table:
+        share = row["write_over_disk"]
+        print(f"{row['variant']} write throughput / disk limit: {share:.2f} (target >= 0.50: "
               f"{'met' if share >= 0.5 else 'MISSED'})")
+    return ratios
 
 
-def measure(directory: Path, params: int, repeats: int) -> None:
-    """Build the state, then alternate disk-limit measurements and modes; print the results."""
+def measure(directory: Path, params: int, repeats: int) -> dict:
+    """Build the state, then alternate disk-limit measurements and variants; print and return the results."""
     state = build_state(params)
     nbytes = state_bytes(state)
     start = time.perf_counter()
@@ -194,24 +257,28 @@ def measure(directory: Path, params: int, repeats: int) -> None:
     print(f"{params / 1e6:.0f}M parameters requested, {built:.1f}M built, state {nbytes / 1e9:.2f} GB, "
           f"step {step_s:.2f} s; torch {torch.__version__}, {torch.get_num_threads()} threads, "
           f"dir {directory}")
+    copy_s = copy_seconds(state)
     disk_limit(directory, nbytes)  # warm-up: a VM's first large write also pays for touching fresh memory
-    # The disk's speed drifts (shared host, writeback): sample it next to every mode, use the median.
+    # The disk's speed drifts (shared host, writeback): sample it next to every variant, use the median.
     disk, results = [], {}
-    for mode in CHECKPOINT_MODES:
+    for variant, settings in VARIANTS.items():
         disk.append(disk_limit(directory, nbytes))
         # async needs training long enough to hide one write, which runs about 2x slower while it
         # shares the cores with training; the blocking modes need none.
         writes = [median_total(r) for r in results.values()] or [min(d.values()) for d in disk]
-        steps = max(1, math.ceil(3 * max(writes) / step_s)) if mode == "async" else 1
-        results[mode] = {"steps": steps, **run_mode(state, mode, directory, repeats, steps)}
+        steps = max(1, math.ceil(3 * max(writes) / step_s)) if settings["mode"] == "async" else 1
+        results[variant] = {"steps": steps, **run_mode(state, variant, directory, repeats, steps)}
     disk.append(disk_limit(directory, nbytes))
     for way in disk[0]:
         print(f"disk, {way}: {nbytes / 1e9:.2f} GB fsync'd sequential write in "
               f"{', '.join(f'{d[way]:.2f}' for d in disk)} s")
     disk_gbps = nbytes / statistics.median(min(d.values()) for d in disk) / 1e9
     print(f"disk limit (median of the faster way per sample): {disk_gbps:.3f} GB/s")
-    report(results, disk_gbps)
+    table = rows(results, disk_gbps, copy_s)
+    ratios = report(table, copy_s)
     zip_crc_cost(state, directory, nbytes)
+    return {"benchmark": "checkpoint", "state_bytes": nbytes, "copy_s": copy_s, "disk_gbps": disk_gbps,
+            "results": table, "ratios": ratios}
 
 
 def zip_crc_cost(state: TrainState, directory: Path, nbytes: int) -> None:
@@ -245,6 +312,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--params", type=parse_count, default=100_000_000, help="model parameters, e.g. 100M")
     parser.add_argument("--dir", type=Path, default=None, help="where to write (default: runs/ or /tmp)")
     parser.add_argument("--repeats", type=int, default=3, help="saves per mode")
+    parser.add_argument("--json", type=Path, default=None, help="also write the results to this JSON file")
     args = parser.parse_args(argv)
     if args.repeats < 1:
         parser.error(f"--repeats {args.repeats} is invalid: save at least once (--repeats 1)")
@@ -254,9 +322,11 @@ def main(argv: list[str] | None = None) -> None:
         parent.mkdir(parents=True, exist_ok=True)
     directory = Path(tempfile.mkdtemp(prefix="bench-checkpoint-", dir=parent))
     try:
-        measure(directory, args.params, args.repeats)
+        results = measure(directory, args.params, args.repeats)
     finally:
         shutil.rmtree(directory, ignore_errors=True)
+    if args.json is not None:
+        args.json.write_text(json.dumps(results, indent=1))
 
 
 if __name__ == "__main__":

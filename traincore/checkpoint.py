@@ -16,9 +16,21 @@ never skipped) and a file that passes verification but cannot be read; each mess
 A save that fails (a full disk: "no space left on device while writing <path>") raises CheckpointWriteError,
 a CheckpointError and an OSError; rank 0 deletes the torn directory, and the committed ones stay as they are.
 
-``async`` copies the state into staging buffers (pinned memory on CUDA), returns, and writes from a
-background thread over a gloo process group of its own. At most one save is in flight: the next ``save``,
-``load``, ``wait`` and ``close`` first wait for the previous one, since overlapping DCP saves can hang.
+``async`` returns once the copy of the state into staging buffers (pinned memory on CUDA) has *started*,
+and writes from background threads over a gloo process group of its own. Every save still holds the state
+at its step, bit for bit: the non-tensor state (step, loader position, schedule, RNG streams, telemetry
+totals) is serialised and the tensors of up to 1 MiB (BatchNorm statistics, counters) are copied before
+``save`` returns; the large tensors (parameters, optimizer state), which only an optimizer step changes, are
+copied while the next forward and backward run. :meth:`Checkpointer.wait_for_snapshot` waits for that copy;
+the training step calls it before ``optimizer.step()``, and the registry's optimizers wait for it anyway
+while a copy is in flight (a step pre-hook on each of them, registered only for that time; no other
+optimizer of the process is touched). Code that changes a large saved tensor
+in place by other means calls ``wait_for_snapshot`` first, or sets ``checkpoint.overlap_copy=false``, which
+copies everything before ``save`` returns. At most one save is in flight: the next ``save``, ``load``,
+``wait`` and ``close`` first wait for the previous one, since overlapping DCP saves can hang.
+
+torch.distributed.checkpoint is imported only by ``dcp`` and ``async`` saves and by loads of their
+checkpoints (:mod:`traincore.checkpoint_dcp`): a ``sync`` run never loads it.
 
 Per-rank state (RNG streams) cannot be matched to ranks when the world size changed since the save; it is
 then kept as it is (and logged). Shared state reshards (DCP) or is replicated (``sync``), so every mode
@@ -29,16 +41,15 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import torch
 import torch.distributed as dist
-import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
+from torch.optim import Optimizer
 
 from traincore.checkpoint_files import (
     EXTRA_FILE,
@@ -53,18 +64,13 @@ from traincore.checkpoint_files import (
     verify_checkpoint,
     write_marker,
 )
-from traincore.checkpoint_format import (
-    flat_shapes,
-    load_tensors,
-    open_saved,
-    single_process_quiet,
-    split_tensors,
-)
-from traincore.checkpoint_writer import ChecksumFileSystemWriter, failing_save, save_file
+from traincore.checkpoint_format import flat_shapes, load_tensors, open_saved, split_tensors
+from traincore.checkpoint_writer import failing_save, save_file, serialize, write_bytes
 from traincore.config import CheckpointConfig
-from traincore.state import StateMismatchError, StateRegistry
 
-DCP_WRITER_THREADS = 2  # two files per rank, written and checksummed in parallel (bench/checkpoint.py)
+if TYPE_CHECKING:  # traincore.state imports DCP's state-dict helpers
+    from traincore.state import StateRegistry
+
 # Creating the checkpoint group: every rank left the process-group barrier and DDP's parameter broadcast
 # moments before, and only telemetry set-up lies between (W&B's own init gives up after 90 s), so a rank
 # missing for 2 minutes is hung or dead; the 30-minute allowance below would make that a 30-minute hang.
@@ -97,15 +103,14 @@ class Checkpointer:
         self.rank, self.world_size = rank, world_size
         self.last_save: SaveStats | None = None
         self._group = self._new_group()
-        self._pending: Future | None = None
+        self._pending: Future | None = None  # the commit of the save in flight
+        self._snapshot: Future | None = None  # its copy of the state, while it may be in progress
+        self._hold_steps: list = []  # hooks on the registered optimizers' steps that wait for the copy
         self._stager = self._executor = None
         if cfg.mode == "async":
-            on_cuda = torch.cuda.is_available()
-            # Blocking staging into buffers reused across saves: training must not change the state
-            # while it is copied, and pinned buffers make the device-to-host copy fast.
-            self._stager = DefaultStager(StagingOptions(use_pinned_memory=on_cuda, use_shared_memory=False,
-                                                        use_async_staging=False,
-                                                        use_non_blocking_copy=on_cuda))
+            from traincore.checkpoint_staging import SnapshotStager
+
+            self._stager = SnapshotStager(overlap=cfg.overlap_copy)
             self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="checkpoint-commit")
 
     def _new_group(self) -> dist.ProcessGroup | None:
@@ -149,7 +154,8 @@ class Checkpointer:
             self.save(step)
 
     def save(self, step: int) -> None:
-        """Write ``<root>/step-{step:06d}/``; returns once training may go on (async: after staging)."""
+        """Write ``<root>/step-{step:06d}/``; returns once training may go on (async: once the copy of the
+        state has started; see :meth:`wait_for_snapshot`)."""
         start = time.perf_counter()
         self.wait()
         directory = step_dir(self.root, step)
@@ -159,47 +165,67 @@ class Checkpointer:
             directory.mkdir(parents=True)
         self._barrier()  # no rank writes before the leftover is gone
         with failing_save(directory, discard=self.rank == 0):  # e.g. a full disk: the error names the file
-            upload, checksums = self._write(directory, step, shared, per_rank)
+            checksums, finish = self._write(directory, step, shared, per_rank)
         blocking = time.perf_counter() - start
         log.info("checkpoint step=%d mode=%s blocking=%.3fs", step, self.cfg.mode, blocking)
-        if upload is None:
+        if finish is None:
             self._commit(directory, step, start, blocking, checksums)
             self._barrier()  # no rank goes on (or reads it) before the marker exists
         else:
             self._pending = self._executor.submit(self._commit, directory, step, start, blocking, checksums,
-                                                  upload)
+                                                  finish)
 
     def _write(self, directory: Path, step: int, shared: dict, per_rank: list | None
-               ) -> tuple[Future | None, dict[str, dict]]:
-        """Write this rank's part; returns the async upload (or None) and the checksums of this rank's files.
+               ) -> tuple[dict[str, dict], Callable[[], None] | None]:
+        """Write this rank's part (async: start to); returns the checksums of this rank's files and, for
+        async, what finishes the writes.
 
         DCP's writer threads add a file's checksum when they close it: the dict is complete once the
-        upload is.
+        writes are.
         """
         if self.cfg.mode == "sync":
             if self.rank != 0:
-                return None, {}
+                return {}, None
             payload = {"step": step, "shared": shared, "per_rank": per_rank}
-            return None, {STATE_FILE: save_file(payload, directory / STATE_FILE)}
+            return {STATE_FILE: save_file(payload, directory / STATE_FILE)}, None
+        from traincore.checkpoint_dcp import save_tensors
+
         tensors, rest = split_tensors(shared)
-        checksums = {}
-        if self.rank == 0:
-            payload = {"step": step, "shared": rest, "per_rank": per_rank}
-            checksums[EXTRA_FILE] = save_file(payload, directory / EXTRA_FILE)
-        writer = ChecksumFileSystemWriter(directory, DCP_WRITER_THREADS, checksums)
-        kwargs = {"storage_writer": writer, "process_group": self._group, "no_dist": self._group is None}
-        with single_process_quiet(self._group is None):
-            if self.cfg.mode == "async":
-                return dcp.async_save(tensors, async_stager=self._stager, **kwargs), checksums
-            dcp.save(tensors, **kwargs)
-        return None, checksums
+        extra = {"step": step, "shared": rest, "per_rank": per_rank} if self.rank == 0 else None
+        checksums: dict[str, dict] = {}
+        if self.cfg.mode == "dcp":
+            if extra is not None:
+                checksums[EXTRA_FILE] = save_file(extra, directory / EXTRA_FILE)
+            save_tensors(tensors, directory, checksums, self._group)
+            return checksums, None
+        # The non-tensor state is serialised now, while it is the state at this step; written later.
+        extra_bytes = None if extra is None else serialize(extra)
+        response = save_tensors(tensors, directory, checksums, self._group, self._stager)
+        self._hold_optimizer_steps(self._stager.snapshot)
+
+        def finish() -> None:
+            response.upload_completion.result()  # every rank's data and DCP's .metadata are written
+            if extra_bytes is not None:
+                checksums[EXTRA_FILE] = write_bytes(extra_bytes, directory / EXTRA_FILE)
+        return checksums, finish
+
+    def _hold_optimizer_steps(self, snapshot: Future) -> None:
+        """Make the registered optimizers' steps wait for ``snapshot``, the copy in progress, until it is
+        waited for: a loop that never calls wait_for_snapshot still saves the state at its step."""
+        self._snapshot = snapshot
+
+        # Removed by wait_for_snapshot, not from inside a step (torch iterates over the hooks then).
+        def wait_for_copy(optimizer: Any, args: Any, kwargs: Any) -> None:
+            snapshot.result()
+        self._hold_steps = [optimizer.register_step_pre_hook(wait_for_copy)
+                            for optimizer in registered_optimizers(self.registry)]
 
     def _commit(self, directory: Path, step: int, start: float, blocking: float, checksums: dict[str, dict],
-                upload: Future | None = None) -> None:
+                finish: Callable[[], None] | None = None) -> None:
         """Every rank: finish writing and hand its checksums to rank 0, which writes the marker and prunes."""
-        if upload is not None:
+        if finish is not None:
             with failing_save(directory, discard=self.rank == 0):
-                upload.result()  # every rank's data and DCP's .metadata are written
+                finish()
         gathered = self._gather(checksums)
         num_bytes = 0
         if self.rank == 0:
@@ -212,8 +238,23 @@ class Checkpointer:
             log.info("checkpoint step=%d committed: %.3f GB in %.2fs", step, num_bytes / 1e9,
                      self.last_save.total_s)
 
+    def wait_for_snapshot(self) -> None:
+        """Block until the copy of the state an async save is taking is complete; a no-op when none is.
+
+        Call it before changing saved tensors in place: the training step calls it before
+        ``optimizer.step()``. A failed copy raises here (and fails that save).
+        """
+        if self._snapshot is None:
+            return
+        snapshot, self._snapshot = self._snapshot, None
+        for handle in self._hold_steps:
+            handle.remove()
+        self._hold_steps = []
+        snapshot.result()
+
     def wait(self) -> None:
         """Block until an in-flight async save is complete and committed."""
+        self.wait_for_snapshot()
         if self._pending is None:
             return
         pending, self._pending = self._pending, None
@@ -255,7 +296,12 @@ class Checkpointer:
                      "matched to ranks, keeping the current one", len(saved.per_rank), self.world_size)
         try:
             self.registry.load(saved.shared, rank_state)
-        except StateMismatchError as exc:
+        except ValueError as exc:
+            # Imported here: traincore.state imports DCP's state-dict helpers, which a sync load does without.
+            from traincore.state import StateMismatchError
+
+            if not isinstance(exc, StateMismatchError):
+                raise
             raise CheckpointError(f"checkpoint {directory} does not fit this run: {exc}") from exc
         log.info("resumed from %s (step %d, mode %s)", directory, saved.step, marker["mode"])
         return saved.step
@@ -305,3 +351,14 @@ class Checkpointer:
             verify_checkpoint(step_dir(self.root, step))
         else:
             read_marker(step_dir(self.root, step))
+
+
+def registered_optimizers(registry: StateRegistry) -> list[Optimizer]:
+    """The optimizers whose steps change the registry's tensors: members that are one or wrap one (as
+    traincore.state.OptimizerState does, in its ``optimizer`` attribute)."""
+    found = []
+    for member in [*registry.shared.values(), *registry.per_rank.values()]:
+        optimizer = member if isinstance(member, Optimizer) else getattr(member, "optimizer", None)
+        if isinstance(optimizer, Optimizer):
+            found.append(optimizer)
+    return found

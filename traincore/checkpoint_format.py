@@ -8,28 +8,22 @@ Version 3 (written): the state registry's shared members and every rank's per-ra
 Version 2 (read): ``model`` / ``optim`` tensors plus an ``extra`` dict of step, meta, loader, scheduler,
 param groups and per-rank RNG; :func:`_from_v2` maps it onto version 3's member names.
 
-Only tensors go through DCP, so reading never unpickles anything outside ``torch.load(weights_only=True)``.
+Only tensors go through DCP, so reading never unpickles anything outside ``torch.load(weights_only=True)``
+(and DCP's ``.metadata``, through an allow-list). DCP itself (:mod:`traincore.checkpoint_dcp`) is imported
+only where a DCP directory is read: a ``sync`` checkpoint is read without it.
 A file that cannot be read, or holds something else than its version's layout, raises CorruptCheckpointError
 naming the file.
 """
 
 from __future__ import annotations
 
-import pickle
-import warnings
-from collections.abc import Iterator
-from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
-import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint.api import CheckpointException
 
 from traincore.checkpoint_files import EXTRA_FILE, STATE_FILE, CorruptCheckpointError, load_file, read_marker
-
-_METADATA = ".metadata"  # DCP's index of a directory's tensors
 
 # Where version 2 kept the tensors that version 3 keeps under these member paths.
 _V2_TENSORS = {"model": ("model",), "optim": ("optimizer", "state")}
@@ -92,9 +86,11 @@ def open_saved(directory: Path, marker: dict) -> SavedState:
         _check_layout(saved, path, {"step": int, "shared": dict, "per_rank": list})
         shapes = flat_shapes(split_tensors(saved["shared"])[0])
         return SavedState(saved["step"], saved["shared"], saved["per_rank"], shapes)
+    from traincore.checkpoint_dcp import tensor_index
+
     path = directory / EXTRA_FILE
     extra = load_file(path)
-    shapes = {key: list(md.size) for key, md in _dcp_metadata(directory).items()}
+    shapes = {key: list(md.size) for key, md in tensor_index(directory).items()}
     if marker["format_version"] == 2:
         _check_layout(extra, path, {})
         extra = _v2_or_corrupt(path, extra, {}, {})
@@ -134,24 +130,10 @@ def load_tensors(saved: SavedState, directory: Path, marker: dict, template: dic
     state = template
     if marker["format_version"] == 2:
         state = {old: _get_path(template, path) for old, path in _V2_TENSORS.items()}
-    try:
-        with single_process_quiet(process_group is None):
-            dcp.load(state, storage_reader=SafeFileSystemReader(directory), process_group=process_group,
-                     no_dist=process_group is None)
-    except CheckpointException as exc:  # every rank gets it: DCP gathers the read results
-        raise _dcp_read_error(directory, exc) from exc
+    from traincore.checkpoint_dcp import load_into
+
+    load_into(state, directory, process_group)
     saved.shared = merge(saved.shared, template)
-
-
-def _dcp_read_error(directory: Path, exc: CheckpointException) -> CorruptCheckpointError:
-    """A DCP read failure as one line naming the directory and its DCP files (DCP's error names none)."""
-    failures = ", ".join(f"{type(error).__name__} on rank {rank}" for rank, (error, _) in
-                         sorted(exc.failures.items()))
-    files = ", ".join(sorted(p.name for p in directory.glob("*.distcp"))) or "no .distcp file"
-    return CorruptCheckpointError(f"reading the DCP files of checkpoint {directory} ({files}, {_METADATA}) "
-                                  f"failed ({failures}, chained): one is damaged or was not written by "
-                                  "traincore.checkpoint: resume from another step, or delete "
-                                  f"{directory}")
 
 
 def read_checkpoint(directory: str | Path) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
@@ -166,60 +148,10 @@ def read_checkpoint(directory: str | Path) -> tuple[dict[str, torch.Tensor], dic
     return saved.shared["model"], {"step": saved.step, "meta": saved.shared.get("run", {})}
 
 
-@contextmanager
-def single_process_quiet(no_dist: bool) -> Iterator[None]:
-    """Silence DCP's warning that a deliberate single-process call runs without a process group."""
-    with warnings.catch_warnings():
-        if no_dist:
-            warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninit")
-        yield
-
-
-class _MetadataUnpickler(pickle.Unpickler):
-    """Unpickles DCP's ``.metadata`` index and nothing else: torch's reader uses plain ``pickle.load``, so a
-    forged ``.metadata`` could otherwise run code on resume or export."""
-
-    _MODULES = ("torch.distributed.checkpoint.metadata", "torch.distributed.checkpoint.filesystem")
-    _NAMES = {("torch", "Size"), ("torch.serialization", "_get_layout"), ("pathlib", "PosixPath"),
-              ("pathlib", "PurePosixPath"), ("collections", "OrderedDict")}
-
-    def find_class(self, module: str, name: str) -> Any:
-        dtype = module == "torch" and isinstance(getattr(torch, name, None), torch.dtype)
-        if module in self._MODULES or (module, name) in self._NAMES or dtype:
-            return super().find_class(module, name)
-        raise pickle.UnpicklingError(f"{module}.{name} is not part of DCP metadata: refused")
-
-
-class SafeFileSystemReader(dcp.FileSystemReader):
-    """DCP's filesystem reader with ``.metadata`` read through an allow-list unpickler."""
-
-    def read_metadata(self, *args: Any, **kwargs: Any) -> Any:
-        with open(Path(self.path) / _METADATA, "rb") as handle:
-            metadata = _MetadataUnpickler(handle).load()
-        if getattr(metadata, "storage_meta", None) is not None:
-            metadata.storage_meta.load_id = self.load_id
-        return metadata
-
-
-def _dcp_metadata(directory: Path) -> dict:
-    path = directory / _METADATA
-    try:
-        metadata = SafeFileSystemReader(directory).read_metadata().state_dict_metadata
-        if not isinstance(metadata, dict):
-            raise TypeError(f"it holds a {type(metadata).__name__}, not DCP's index")
-        return metadata
-    except FileNotFoundError as exc:
-        raise CorruptCheckpointError(f"checkpoint file {path} is missing: resume from another step, or "
-                                     f"delete {directory}") from exc
-    except Exception as exc:  # unpickling reports a damaged file as whatever it hit
-        raise CorruptCheckpointError(f"checkpoint file {path} cannot be read as DCP metadata "
-                                     f"({type(exc).__name__}, chained): it is damaged or was not written by "
-                                     f"traincore.checkpoint: resume from another step, or delete "
-                                     f"{directory}") from exc
-
-
 def _dcp_model_entries(directory: Path) -> dict[str, tuple[list[int], torch.dtype]]:
-    return {key: (list(md.size), md.properties.dtype) for key, md in _dcp_metadata(directory).items()
+    from traincore.checkpoint_dcp import tensor_index
+
+    return {key: (list(md.size), md.properties.dtype) for key, md in tensor_index(directory).items()
             if key.startswith("model.")}
 
 

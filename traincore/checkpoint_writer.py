@@ -6,26 +6,26 @@ writes with direct I/O: no page-cache memory to allocate, which is slow on VMs w
 memory lazily (bench/checkpoint.py), and the cache stays with the memory-mapped dataset.
 
 A write that fails raises CheckpointWriteError naming the file ("no space left on device while writing
-<path>: ..." for a full disk), in DCP's writer threads too, whose errors DCP itself would drop.
+<path>: ..." for a full disk), in DCP's writer threads too (traincore.checkpoint_dcp), whose errors DCP
+itself would drop. Nothing here imports torch.distributed.checkpoint.
 """
 
 from __future__ import annotations
 
 import errno
+import io
 import mmap
 import os
+import sys
 import threading
 import zlib
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
 import torch
-import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint.api import CheckpointException
-from torch.distributed.checkpoint.filesystem import FileSystem
 
 from traincore.checkpoint_files import (
     CheckpointError,
@@ -169,78 +169,11 @@ class ChecksumWriter:
         self.close()
 
 
-class _ChecksumFileSystem(FileSystem):
-    """DCP's local filesystem, adding each written file's checksum to ``into`` once the file is closed.
-
-    It also keeps the errors of the files it writes: DCP's extra writer threads drop theirs (the thread
-    dies, its file's results go missing, and the save would commit without them).
-    """
-
-    def __init__(self, into: dict[str, dict]):
-        super().__init__()
-        self._into = into
-        self.errors: list[BaseException] = []
-        self._state = threading.Condition()
-        self._open = 0  # streams being written
-        self._stopped = False
-
-    @contextmanager
-    def create_stream(self, path: str | os.PathLike, mode: str):
-        assert mode == "wb", f"DCP's writer only creates files, got mode {mode!r}"
-        with self._state:
-            if self._stopped or self.errors:
-                raise CheckpointError(f"not writing {path}: an earlier write of this checkpoint failed")
-            self._open += 1
-        try:
-            with ChecksumWriter(path) as stream:
-                yield stream
-            self._into[Path(path).name] = stream.checksum()  # DCP writes flat: names are relative to the step
-        except BaseException as exc:
-            with self._state:
-                self.errors.append(exc)
-            raise
-        finally:
-            with self._state:
-                self._open -= 1
-                self._state.notify_all()
-
-    def stop(self) -> None:
-        """Refuse new files and wait until the ones being written are closed."""
-        with self._state:
-            self._stopped = True
-            self._state.wait_for(lambda: self._open == 0)
-
-
-class ChecksumFileSystemWriter(dcp.FileSystemWriter):
-    """A DCP FileSystemWriter whose files are checksummed on their way to disk, into ``checksums``.
-
-    It swaps in its filesystem the way torch's own FsspecWriter subclass does (``self.fs`` set after the
-    base initialiser); every other writer in the process is untouched.
-    """
-
-    def __init__(self, directory: Path, thread_count: int, checksums: dict[str, dict]):
-        # sync_files off: DCP would fsync before ChecksumWriter.close() writes the last block; close() fsyncs.
-        super().__init__(directory, thread_count=thread_count, sync_files=False)
-        self.fs = _ChecksumFileSystem(checksums)
-
-    def write_data(self, plan: Any, planner: Any) -> Any:
-        """DCP's write of this rank's files; raises the first file's error, whichever thread wrote it."""
-        try:
-            result = super().write_data(plan, planner)
-        except BaseException as exc:
-            self.fs.stop()  # the calling thread failed: its sibling threads write no more
-            first = self.fs.errors[0] if self.fs.errors else exc
-            if first is exc:
-                raise
-            raise first from None  # a sibling failed first; this thread then refused its next file
-        if self.fs.errors:  # every thread is joined: a sibling's error, which DCP dropped
-            raise self.fs.errors[0]
-        return result
-
-
 def save_failure(exc: BaseException) -> BaseException:
     """The error a failed save raises: a CheckpointError from any rank rather than DCP's wrapper of it."""
-    if isinstance(exc, CheckpointException):
+    # Only a DCP save raises DCP's wrapper, and DCP is loaded then: a sync save's failure does not load it.
+    api = sys.modules.get("torch.distributed.checkpoint.api")
+    if api is not None and isinstance(exc, api.CheckpointException):
         for _, (failure, _) in sorted(exc.failures.items()):
             if isinstance(failure, CheckpointError):
                 return failure
@@ -268,8 +201,25 @@ def save_file(obj: Any, path: Path) -> dict:
     torch.save still computes the zip records' own CRC32 (about 0.2 s per GB on one core,
     bench/checkpoint.py): turning it off is a process-wide switch that would change a user's own saves.
     """
+    return _publish_new(path, lambda writer: torch.save(obj, writer))
+
+
+def serialize(obj: Any) -> memoryview:
+    """``obj`` as the bytes torch.save writes: a copy taken now, for :func:`write_bytes` to write later."""
+    buffer = io.BytesIO()
+    torch.save(obj, buffer)
+    return buffer.getbuffer()
+
+
+def write_bytes(data: memoryview, path: Path) -> dict:
+    """Write ``data`` to ``path`` atomically; returns its checksum."""
+    return _publish_new(path, lambda writer: writer.write(data))
+
+
+def _publish_new(path: Path, fill: Callable[[ChecksumWriter], Any]) -> dict:
+    """``fill`` a ChecksumWriter on a temporary name, then publish it as ``path``; returns its checksum."""
     tmp = path.with_name(f".{path.name}.tmp")
     with ChecksumWriter(tmp) as writer:
-        torch.save(obj, writer)
+        fill(writer)
     publish(tmp, path)
     return writer.checksum()
