@@ -28,9 +28,10 @@ run: install
 test: install-dev
 	$(BIN)/python -m pytest
 
+# Loader, checkpoint, per-step, start-up and end-to-end benchmarks (about 15 minutes on 2 cores): writes
+# bench/results/latest.json and latest.md (commit them); generated data and runs go to runs/bench.
 bench: install
-	$(BIN)/python bench/loader.py
-	$(BIN)/python bench/checkpoint.py
+	$(BIN)/python bench/run.py
 
 # Package the workflow as a platform team registers it (fast registration), then replay it node by node as a
 # cluster runs it: one pod of two processes, then a 2-pod PyTorchJob. Prints each node's wall time and the

@@ -1,6 +1,6 @@
 """Loader benchmark: naive per-sample JPEG decoding vs our staged loader vs a raw memcpy of the same bytes.
 
-    python bench/loader.py [--dir runs/bench] [--images 20000] [--size 64] [--rounds 8]
+    python bench/loader.py [--dir runs/bench] [--images 20000] [--size 64] [--rounds 8] [--json PATH]
 
 All rows read the same synthetic JPEG ImageFolder (generated once into --dir, deterministic). Rows:
   naive      torchvision ImageFolder + PIL decode + ToTensor per sample, DataLoader(num_workers=0), batch 64
@@ -46,6 +46,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--naive-samples", type=int, default=3000, help="samples timed for the naive loader")
     parser.add_argument("--rounds", type=int, default=8,
                         help="timed epochs / copies per row (the best counts)")
+    parser.add_argument("--json", help="also write the rows and ratios as JSON to this file")
     args = parser.parse_args(argv)
     for name in ("images", "size", "classes", "naive_samples", "rounds"):
         if getattr(args, name) < 1:
@@ -58,7 +59,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 # ---- the image folder ----------------------------------------------------------------------------
 
-def _write_images(root: str, first: int, count: int, size: int, classes: int) -> None:
+def _write_images(root: str, first: int, count: int, size: int, classes: int, suffix: str) -> None:
     """Write images ``first .. first+count-1``: a smooth class-coloured gradient plus per-image noise."""
     from PIL import Image
 
@@ -69,12 +70,13 @@ def _write_images(root: str, first: int, count: int, size: int, classes: int) ->
         colour = np.random.default_rng([1, label]).uniform(40, 215, size=3).astype(np.float32)
         base = colour * (0.6 + 0.4 * ramp[:, None, None] * ramp[None, :, None])
         pixels = np.clip(base + rng.normal(0, 20, size=(size, size, 3)), 0, 255).astype(np.uint8)
-        Image.fromarray(pixels).save(Path(root) / f"class_{label:02d}" / f"{index:06d}.jpg", quality=90)
+        Image.fromarray(pixels).save(Path(root) / f"class_{label:02d}" / f"{index:06d}.{suffix}", quality=90)
 
 
-def image_folder(cache: Path, images: int, size: int, classes: int) -> Path:
-    """The benchmark's JPEG ImageFolder, generated in parallel on first use and reused afterwards."""
-    root = cache / f"jpeg-{images}x{size}px-{classes}classes"
+def image_folder(cache: Path, images: int, size: int, classes: int, suffix: str = "jpg") -> Path:
+    """A benchmark ImageFolder of ``suffix`` files (jpg or png; PNG ignores the JPEG quality), generated in
+    parallel on first use and reused afterwards."""
+    root = cache / f"{suffix}-{images}x{size}px-{classes}classes"
     if (root / COMPLETE).exists():
         return root
     shutil.rmtree(root, ignore_errors=True)
@@ -84,7 +86,7 @@ def image_folder(cache: Path, images: int, size: int, classes: int) -> Path:
     with ProcessPoolExecutor() as pool:
         list(pool.map(_write_images, [str(root)] * len(starts), starts,
                       [min(GENERATE_CHUNK, images - s) for s in starts], [size] * len(starts),
-                      [classes] * len(starts)))
+                      [classes] * len(starts), [suffix] * len(starts)))
     (root / COMPLETE).write_text(json.dumps({"images": images, "size": size, "classes": classes}))
     return root
 
@@ -146,14 +148,20 @@ def best_rates(passes: dict[str, Callable[[], int]], rounds: int) -> dict[str, f
     return best
 
 
-def report(rows: dict[str, float], sample_bytes: int) -> None:
-    """Print the table: samples/s, MB/s and each row's ratio to the naive loader and to memcpy."""
+def report(rows: dict[str, float], sample_bytes: int) -> dict:
+    """Print the table: samples/s, MB/s and each row's ratio to the naive loader and to memcpy; return it
+    as ``{"results": [rows], "ratios": ..., "targets": ...}`` for --json."""
     naive, staged, limit = rows["naive"], rows["staged"], rows["memcpy"]
     print(f"{'loader':<12}{'samples/s':>14}{'MB/s':>10}{'x naive':>10}{'% memcpy':>10}")
     for name, value in rows.items():
         print(f"{name:<12}{value:>14,.0f}{value * sample_bytes / 1e6:>10,.0f}{value / naive:>10.1f}"
               f"{100 * value / limit:>9.1f}%")
     print(f"b/a = {staged / naive:.1f}x (target >= 20x)   b/c = {100 * staged / limit:.0f}% (target >= 50%)")
+    return {"results": [{"loader": name, "samples_per_s": value, "mb_per_s": value * sample_bytes / 1e6,
+                         "x_naive": value / naive, "share_of_memcpy": value / limit}
+                        for name, value in rows.items()],
+            "ratios": {"staged/naive": staged / naive, "staged/memcpy": staged / limit},
+            "targets": {"staged/naive": ">= 20", "staged/memcpy": ">= 0.5"}}
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -175,7 +183,9 @@ def main(argv: list[str] | None = None) -> None:
         load = ", ".join(f"{x:.1f}" for x in os.getloadavg())
         print(f"train split: {len(split)} samples of {split.manifest.sample_bytes} bytes; naive: "
               f"{args.naive_samples} samples; others: best of {args.rounds} full passes; load average {load}")
-        report(rows, split.manifest.sample_bytes)
+        table = report(rows, split.manifest.sample_bytes)
+    if args.json:
+        Path(args.json).write_text(json.dumps({"benchmark": "loader", **table}, indent=2))
 
 
 if __name__ == "__main__":

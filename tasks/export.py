@@ -1,7 +1,9 @@
-"""Export the latest complete checkpoint to a single safetensors file (traincore.export proves it loads)."""
+"""Export the latest complete checkpoint to a single safetensors file (traincore.export proves it loads),
+with lineage.json beside it."""
 
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 
 import flytekit
@@ -9,16 +11,27 @@ from flytekit import Resources, task
 from flytekit.types.directory import FlyteDirectory
 
 from tasks.storage import local_directory
-from tasks.types import ModelArtifact, TrainResult
+from tasks.types import ModelArtifact, StagedDataset, TrainResult, dataset_lineage
 from traincore.export import WEIGHTS_FILE, export
+from traincore.lineage import metric_summary
+
+
+def execution_id() -> str:
+    """``project/domain/name`` of the running execution (``local/local/local`` outside a cluster)."""
+    execution = flytekit.current_context().execution_id
+    return f"{execution.project}/{execution.domain}/{execution.name}"
 
 
 @task(retries=2, requests=Resources(cpu="1", mem="4Gi"))
-def export_model(trained: TrainResult) -> ModelArtifact:
-    """Latest complete checkpoint -> model.safetensors + config JSON + sha256, verified before publishing."""
+def export_model(trained: TrainResult, dataset: StagedDataset) -> ModelArtifact:
+    """Latest complete checkpoint -> model.safetensors + config JSON + lineage.json, verified before
+    publishing; the lineage records the dataset, the run's metric summary and this execution."""
     output = Path(flytekit.current_context().working_directory) / "model"
-    result = export(local_directory(trained.checkpoints), output / WEIGHTS_FILE)
+    lineage = replace(dataset_lineage(dataset), execution_id=execution_id(),
+                      metrics=metric_summary(trained.summary))
+    result = export(local_directory(trained.checkpoints), output / WEIGHTS_FILE, lineage)
     weights, config = Path(result.path), Path(result.config_path)
     print(f"export_model: {weights.name} ({result.num_bytes / 2**20:.2f} MiB, {result.num_parameters:,} "
-          f"parameters, step {result.step}, sha256 {result.sha256[:12]}) + {config.name}", flush=True)
+          f"parameters, step {result.step}, sha256 {result.sha256[:12]}) + {config.name} + lineage.json "
+          f"(config {result.lineage.config_hash[:12]}, {result.lineage.code_version})", flush=True)
     return ModelArtifact(directory=FlyteDirectory(str(output)), export=result)

@@ -18,6 +18,7 @@ import flytekit
 import torch.distributed as dist
 from flytekit import Resources, Secret
 from flytekit.core.base_task import TaskMetadata
+from flytekit.core.python_function_task import PythonFunctionTask
 from flytekit.exceptions.user import FlyteRecoverableException, FlyteUserRuntimeException
 from flytekit.extras.accelerators import GPUAccelerator
 from flytekit.types.directory import FlyteDirectory
@@ -31,6 +32,7 @@ from tasks.rendezvous import rendezvous_failure
 from tasks.storage import is_uri, local_directory
 from tasks.types import StagedDataset, Topology, TrainResult
 from traincore.config import Config
+from traincore.startup import process_start_time
 from traincore.train import Trainer, format_summary, preflight
 
 WANDB_SECRET = Secret(group="wandb", key="api_key", mount_requirement=Secret.MountType.FILE)
@@ -49,7 +51,7 @@ def train_model(config: Config, dataset: StagedDataset, checkpoint_root: str) ->
     output = Path(flytekit.current_context().working_directory) / "run"
     try:
         summary = Trainer(config, local_directory(dataset.directory), output,
-                          local_checkpoint_root(checkpoint_root)).train()
+                          local_checkpoint_root(checkpoint_root), started_at=process_start_time()).train()
     except dist.DistError as exc:  # a peer vanished or the store timed out: infrastructure, worth a retry
         raise FlyteRecoverableException(f"distributed training failed transiently: {exc}") from exc
     if int(os.environ.get("RANK", "0")) == 0:
@@ -119,6 +121,10 @@ class ElasticTrainTask(PytorchElasticFunctionTask):
         _use_wandb_secret(kwargs["config"])  # before validation checks the key; workers inherit the env
         preflight(kwargs["config"], local_directory(kwargs["dataset"].directory))
         with synced_checkpoints(kwargs["checkpoint_root"]):
+            if self.single_process:
+                # Nothing to rendezvous or restart: a spawned worker would only import torch (and all the
+                # rest) a second time. Errors keep their classes: train_model raises what a worker would.
+                return PythonFunctionTask.execute(self, **kwargs)
             try:
                 return super().execute(**kwargs)
             except RendezvousError as exc:  # not every node came up in time: a retry may find them
@@ -130,6 +136,12 @@ class ElasticTrainTask(PytorchElasticFunctionTask):
                         f"worker {', '.join(vanished)} was killed by a signal from outside (node lost, OOM "
                         f"killer, eviction); a retry resumes from the checkpoint root:\n{exc}") from exc
                 raise
+
+    @property
+    def single_process(self) -> bool:
+        """One node, one process and no restarts: the task trains in its own process, launching nothing."""
+        topology = self.topology
+        return topology.nnodes == 1 and topology.nproc_per_node == 1 and topology.max_restarts == 0
 
     def _rendezvous_failure(self, error: RendezvousError) -> str:
         """What timed out, where, and how many nodes of how many arrived: torch's own message is often empty.

@@ -15,6 +15,7 @@ from flytekit.types.directory import FlyteDirectory
 from traincore.data import Manifest
 from traincore.evaluate import EvalResult
 from traincore.export import ExportResult
+from traincore.lineage import Lineage
 from traincore.train import TrainSummary
 
 
@@ -55,6 +56,7 @@ class StagedDataset:
 
     directory: FlyteDirectory
     source: str
+    source_fingerprint: str  # the source as staged (traincore.fingerprint)
     classes: list[str]
     shape: list[int]  # C, H, W
     counts: dict[str, int]  # samples per split
@@ -65,7 +67,8 @@ class StagedDataset:
         """The one conversion from a staged directory's manifest."""
         if not isinstance(directory, FlyteDirectory):
             directory = FlyteDirectory(str(directory))
-        return cls(directory=directory, source=manifest.source, classes=list(manifest.classes),
+        return cls(directory=directory, source=manifest.source,
+                   source_fingerprint=manifest.source_fingerprint, classes=list(manifest.classes),
                    shape=list(manifest.shape), counts={name: s.count for name, s in manifest.splits.items()},
                    format_version=manifest.format_version)
 
@@ -79,9 +82,16 @@ class TrainResult:
     summary: TrainSummary
 
 
+def dataset_lineage(dataset: StagedDataset) -> Lineage:
+    """What a staged dataset contributes to the lineage of the models trained on it."""
+    return Lineage(source=dataset.source, source_fingerprint=dataset.source_fingerprint,
+                   staging_format=dataset.format_version)
+
+
 @dataclass
 class ModelArtifact:
-    """An exported model: one directory holding the safetensors weights and the model config JSON."""
+    """An exported model: one directory holding the safetensors weights, the model config JSON and
+    lineage.json (``export.lineage``)."""
 
     directory: FlyteDirectory
     export: ExportResult  # paths in it are the exporting task's; file names are valid inside ``directory``
@@ -94,19 +104,24 @@ class ModelArtifact:
 
 @dataclass
 class EvalReport:
-    """Test-split metrics of one exported model."""
+    """Test-split metrics of one exported model and its lineage (the model's, plus the test figures)."""
 
     result: EvalResult
-    model_sha256: str = ""
+    lineage: Lineage
 
 
 @dataclass
 class Promotion:
-    """The promotion gate's verdict on a freshly trained model."""
+    """The promotion gate's verdict: the new model (challenger) against the model in service (champion),
+    both evaluated on the new test split by the same code."""
 
     promoted: bool
-    reason: str
-    accuracy: float
+    reason: str  # names both accuracies, or why they could not be compared
     threshold: float
-    baseline_accuracy: float
-    model: ModelArtifact
+    tolerance: float
+    model: ModelArtifact  # the challenger
+    challenger: EvalReport
+    champion: EvalReport | None  # None on the first promotion, or when the champion could not be compared
+    champion_origin: str  # the champion input, or "<promoted_uri>/<version> (latest)"; "" when none
+    promoted_uri: str
+    version: str  # the registry version published; "" when not promoted

@@ -108,7 +108,7 @@ def _one_of(name: str, value: Any, choices: tuple[str, ...]) -> None:
 
 
 SOURCE_KINDS = ("digits", "synthetic", "imagefolder")
-MODEL_NAMES = ("small_cnn", "resnet18", "resnet34", "resnet50", "vit_b_16", "mlp")
+MODEL_NAMES = ("small_cnn", "resnet18", "resnet34", "resnet50", "vit_b_16", "vit_tiny", "mlp")
 CHECKPOINT_MODES = ("sync", "dcp", "async")
 WANDB_MODES = ("disabled", "offline", "online")
 DIST_BACKENDS = ("auto", "gloo", "nccl", "cpu:gloo,cuda:nccl")
@@ -300,6 +300,11 @@ class CheckpointConfig:
     """``latest`` (the newest complete checkpoint, if any), ``none`` (start fresh) or a step number."""
     verify_on_load: bool = True
     """Check every file's size and CRC32 against the commit marker before resuming from it."""
+    overlap_copy: bool = True
+    """``async`` only: copy the large tensors (parameters, optimizer state) while the next forward and
+    backward run; an optimizer step waits for the copy. Tensors up to 1 MiB (BatchNorm statistics, step
+    counters) are copied before ``save`` returns. Turn off (copy everything before ``save`` returns) for a
+    model whose forward changes large tensors in place."""
 
     def __post_init__(self) -> None:
         _check_types(self, "checkpoint")

@@ -3,7 +3,8 @@
 Works on every checkpoint mode in a single process with no process group: a ``sync`` checkpoint holds
 the full weights; a DCP one is read with ``no_dist`` (DCP gathers every rank's part). The safetensors file
 is written to a temporary name, loaded back into the model its config describes and run on a batch of
-zeros; only then is it published, followed by the JSON (which records its sha256). Both renames are atomic.
+zeros; only then is it published, followed by ``lineage.json`` (traincore.lineage) and, last, the JSON
+config (which records its sha256 and so declares the export complete). Every rename is atomic.
 
     python -m traincore.export --checkpoint runs/train/checkpoints --output model.safetensors
 """
@@ -16,7 +17,7 @@ import os
 import pickle
 import sys
 import tempfile
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import torch
@@ -36,6 +37,7 @@ from traincore.checkpoint_files import (
 )
 from traincore.checkpoint_format import read_checkpoint
 from traincore.config import ModelConfig
+from traincore.lineage import LINEAGE_FILE, Lineage, with_run
 from traincore.models import build_model, parameter_count
 
 WEIGHTS_FILE = "model.safetensors"  # the name an export directory holds the weights under
@@ -56,6 +58,7 @@ class ExportResult:
     num_bytes: int
     step: int
     num_parameters: int
+    lineage: Lineage = field(default_factory=Lineage)  # as written to lineage.json beside the weights
 
 
 def config_path_for(path: str | Path) -> Path:
@@ -127,17 +130,25 @@ def _check_writable(directory: Path, output: Path) -> None:
                           f"{fix}") from exc
 
 
-def export(checkpoint: str | Path, output: str | Path) -> ExportResult:
-    """Consolidate the model of ``checkpoint`` into ``output`` (safetensors) plus its JSON config.
+def lineage_path_for(path: str | Path) -> Path:
+    """The lineage record that sits beside an exported model: ``lineage.json`` in its directory."""
+    return Path(path).with_name(LINEAGE_FILE)
 
-    Every input is checked before anything is written (the output's directory with a probe file); a
-    failure leaves neither the model, nor its config, nor a temporary file behind.
+
+def export(checkpoint: str | Path, output: str | Path, lineage: Lineage | None = None) -> ExportResult:
+    """Consolidate the model of ``checkpoint`` into ``output`` (safetensors), its lineage and JSON config.
+
+    ``lineage`` holds what the checkpoint cannot know (source fingerprint, staging format, execution id,
+    metric summary); the checkpoint's run record and the written weights complete it. Every input is checked
+    before anything is written (the output's directory with a probe file); a failure leaves neither the
+    model, nor its lineage, nor its config, nor a temporary file behind.
     """
     directory = resolve_checkpoint(checkpoint)
     output = _check_output(output, directory)
     verify_checkpoint(directory)
-    weights, config = _read(directory)
-    tmp, config_path = output.with_name(f".{output.name}.tmp"), config_path_for(output)
+    weights, config, meta = _read(directory)
+    tmp, config_path, lineage_path = (output.with_name(f".{output.name}.tmp"), config_path_for(output),
+                                      lineage_path_for(output))
     try:
         output.parent.mkdir(parents=True, exist_ok=True)
         save_file({name: tensor.contiguous() for name, tensor in weights.items()}, tmp)
@@ -146,11 +157,16 @@ def export(checkpoint: str | Path, output: str | Path) -> ExportResult:
         _check_forward(model, config, f"checkpoint {directory}")
         config |= {"sha256": sha256_file(tmp), "num_parameters": parameter_count(model)}
         num_bytes = tmp.stat().st_size
+        lineage = replace(with_run(lineage or Lineage(), meta, config["step"]), model_sha256=config["sha256"])
         publish(tmp, output)
         try:
-            _publish_json(config, config_path)  # last: the config's sha256 declares the weights complete
+            _publish_text(lineage.to_json(), lineage_path)
+            # Last: the config's sha256 declares the weights (and the lineage beside them) complete.
+            _publish_text(json.dumps(config, indent=2), config_path)
         except BaseException:
-            output.unlink(missing_ok=True)  # weights without their config must not look exported
+            # Weights without their config must not look exported, nor a lineage without its model.
+            output.unlink(missing_ok=True)
+            lineage_path.unlink(missing_ok=True)
             raise
     except OSError as exc:
         where = f" ({exc.filename})" if exc.filename and str(exc.filename) != str(output) else ""
@@ -159,7 +175,7 @@ def export(checkpoint: str | Path, output: str | Path) -> ExportResult:
     finally:
         tmp.unlink(missing_ok=True)
     return ExportResult(str(output), str(config_path), config["sha256"], num_bytes, config["step"],
-                        config["num_parameters"])
+                        config["num_parameters"], lineage)
 
 
 _UNREADABLE = (OSError, RuntimeError, ValueError, KeyError, TypeError, AttributeError, EOFError,
@@ -167,8 +183,9 @@ _UNREADABLE = (OSError, RuntimeError, ValueError, KeyError, TypeError, Attribute
 """What reading a damaged or foreign checkpoint raises, besides the CheckpointErrors of its marker."""
 
 
-def _read(directory: Path) -> tuple[dict[str, torch.Tensor], dict]:
-    """The checkpoint's weights and the exported model's config (without sha256 and parameter count)."""
+def _read(directory: Path) -> tuple[dict[str, torch.Tensor], dict, dict]:
+    """The checkpoint's weights, the exported model's config (without sha256 and parameter count) and the
+    run record (traincore.train's ``meta``: resolved config, source, world size)."""
     redo = "export a checkpoint written by traincore.train"
     try:
         weights, extra = read_checkpoint(directory)
@@ -189,13 +206,13 @@ def _read(directory: Path) -> tuple[dict[str, torch.Tensor], dict]:
         raise ExportError(f"checkpoint {directory} records no model config of its run: {redo}")
     return weights, {"model": model, "num_classes": meta["num_classes"], "shape": list(meta["shape"]),
                      "classes": meta.get("classes"), "mean": meta.get("mean"), "std": meta.get("std"),
-                     "step": extra["step"], "checkpoint": str(directory), "checkpoint_mode": mode}
+                     "step": extra["step"], "checkpoint": str(directory), "checkpoint_mode": mode}, meta
 
 
-def _publish_json(data: dict, path: Path) -> None:
+def _publish_text(text: str, path: Path) -> None:
     tmp = path.with_name(f".{path.name}.tmp")
     try:
-        tmp.write_text(json.dumps(data, indent=2))
+        tmp.write_text(text)
         publish(tmp, path)
     finally:
         tmp.unlink(missing_ok=True)

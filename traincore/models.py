@@ -42,18 +42,33 @@ class MLP(nn.Module):
         return self.net(x)
 
 
-def _torchvision_model(name: str, in_channels: int, num_classes: int, image_size: int) -> nn.Module:
+VIT_TINY = {"patch_size": 4, "num_layers": 4, "num_heads": 4, "hidden_dim": 128, "mlp_dim": 256}
+"""vit_tiny: a ViT for 32x32 images (64 patches of 4x4) small enough to train a few hundred steps on CPU."""
+_VIT_PATCHES = {"vit_b_16": 16, "vit_tiny": VIT_TINY["patch_size"]}
+
+
+def _vision_transformer(name: str, in_channels: int, num_classes: int, image_size: int) -> nn.Module:
     import torchvision
 
+    patch = _VIT_PATCHES[name]
+    if image_size % patch:
+        raise ValueError(f"model {name} needs an image size divisible by {patch}, got {image_size}: "
+                         f"stage with data.image_size={max(patch, image_size - image_size % patch)} "
+                         f"(or another multiple of {patch})")
     if name == "vit_b_16":
-        if image_size % 16:
-            raise ValueError(f"model vit_b_16 needs an image size divisible by 16, got {image_size}: "
-                             "stage with data.image_size=224 (or another multiple of 16)")
         model = torchvision.models.vit_b_16(weights=None, num_classes=num_classes, image_size=image_size)
-        if in_channels != 3:
-            conv = model.conv_proj
-            model.conv_proj = nn.Conv2d(in_channels, conv.out_channels, conv.kernel_size, conv.stride)
-        return model
+    else:
+        model = torchvision.models.VisionTransformer(image_size=image_size, num_classes=num_classes,
+                                                     **VIT_TINY)
+    if in_channels != 3:
+        conv = model.conv_proj
+        model.conv_proj = nn.Conv2d(in_channels, conv.out_channels, conv.kernel_size, conv.stride)
+    return model
+
+
+def _resnet(name: str, in_channels: int, num_classes: int) -> nn.Module:
+    import torchvision
+
     model = getattr(torchvision.models, name)(weights=None, num_classes=num_classes)
     if in_channels != 3:
         model.conv1 = nn.Conv2d(in_channels, 64, kernel_size=7, stride=2, padding=3, bias=False)
@@ -67,7 +82,9 @@ def build_model(cfg: ModelConfig, num_classes: int, shape: tuple[int, int, int])
         return SmallCNN(channels, num_classes, cfg.width, cfg.dropout)
     if cfg.name == "mlp":
         return MLP(channels * height * width, num_classes, cfg.width, cfg.dropout)
-    return _torchvision_model(cfg.name, channels, num_classes, height)
+    if cfg.name in _VIT_PATCHES:
+        return _vision_transformer(cfg.name, channels, num_classes, height)
+    return _resnet(cfg.name, channels, num_classes)
 
 
 def parameter_count(model: nn.Module) -> int:

@@ -43,6 +43,21 @@ def digits() -> Config:
     )
 
 
+def vit_tiny() -> Config:
+    """The small ViT (``vit_tiny``) on 32x32 RGB images: 200 steps take a few minutes on 2 CPU cores.
+
+    Synthetic images unless a source is given (e.g. ``imagefolder:<path>``); bench/end_to_end.py uses it.
+    """
+    return Config(
+        data=DataConfig(source="synthetic", image_size=32, channels=3),
+        loader=LoaderConfig(batch_size=32),
+        model=ModelConfig(name="vit_tiny"),
+        optim=OptimConfig(lr=1e-3, weight_decay=0.05, warmup_steps=20),
+        train=TrainConfig(max_steps=200, epochs=0),
+        telemetry=TelemetryConfig(log_every=20),
+    )
+
+
 def imagenet_like() -> Config:
     """ResNet-50 at 224x224 on an ImageFolder: a GPU preset with async checkpoints and workers.
 
@@ -60,7 +75,7 @@ def imagenet_like() -> Config:
     )
 
 
-PRESETS = {"debug": debug, "digits": digits, "imagenet_like": imagenet_like}
+PRESETS = {"debug": debug, "digits": digits, "vit_tiny": vit_tiny, "imagenet_like": imagenet_like}
 
 
 def preset(name: str) -> Config:

@@ -22,7 +22,7 @@ from traincore.config import TelemetryConfig
 
 
 class MetricSink(Protocol):
-    """Where rank 0 sends metrics; ``kind`` is "train" or "eval"."""
+    """Where rank 0 sends metrics; ``kind`` is "train", "eval" or "startup" (once per attempt)."""
 
     def log(self, step: int, metrics: dict[str, float], kind: str = "train") -> None: ...
 

@@ -16,12 +16,6 @@ from typing import Any, Protocol
 import numpy as np
 import torch
 from torch import nn
-from torch.distributed.checkpoint.state_dict import (
-    get_model_state_dict,
-    get_optimizer_state_dict,
-    set_model_state_dict,
-    set_optimizer_state_dict,
-)
 from torch.nn.parallel import DistributedDataParallel
 
 log = logging.getLogger(__name__)
@@ -50,6 +44,11 @@ def unwrap_model(model: nn.Module) -> nn.Module:
             return model
 
 
+# torch.distributed.checkpoint.state_dict is imported where it is used, not with this module: importing it
+# loads the whole torch.distributed.checkpoint package (DTensor, sympy: most of a second), which a run pays
+# only once it saves or loads a checkpoint.
+
+
 class ModelState:
     """The model's weights under canonical names, whatever wraps it (DDP, torch.compile)."""
 
@@ -57,9 +56,13 @@ class ModelState:
         self.model = model
 
     def state_dict(self) -> dict[str, Any]:
+        from torch.distributed.checkpoint.state_dict import get_model_state_dict
+
         return get_model_state_dict(unwrap_model(self.model))
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
+        from torch.distributed.checkpoint.state_dict import set_model_state_dict
+
         set_model_state_dict(unwrap_model(self.model), state)
 
 
@@ -70,9 +73,13 @@ class OptimizerState:
         self.model, self.optimizer = model, optimizer
 
     def state_dict(self) -> dict[str, Any]:
+        from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
+
         return get_optimizer_state_dict(unwrap_model(self.model), self.optimizer)
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
+        from torch.distributed.checkpoint.state_dict import set_optimizer_state_dict
+
         set_optimizer_state_dict(unwrap_model(self.model), self.optimizer, state)
 
 

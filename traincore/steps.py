@@ -8,7 +8,8 @@ from __future__ import annotations
 
 import math
 import random
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from contextlib import nullcontext
 
 import numpy as np
 import torch
@@ -50,11 +51,18 @@ def seed_everything(seed: int) -> None:
 
 
 def train_step(model: nn.Module, optimizer: torch.optim.Optimizer, scheduler, batch: Batch,
-               cfg: Config) -> torch.Tensor:
-    """Forward, backward, finite check, clip, optimizer and LR step. Returns the detached loss."""
+               cfg: Config, before_update: Callable[[], None] | None = None) -> torch.Tensor:
+    """Forward, backward, finite check, clip, optimizer and LR step. Returns the detached loss.
+
+    ``before_update`` runs right before ``optimizer.step()``, the first moment the step writes to the
+    weights: work that reads them in the background (an async checkpoint's copy) overlaps the forward and
+    backward, and is waited for there.
+    """
     images, labels = batch
     device = images.device
-    with torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda" and cfg.train.bf16):
+    bf16 = device.type == "cuda" and cfg.train.bf16
+    # Entering a disabled autocast still costs a context switch of dispatch state on every step.
+    with torch.autocast(device.type, dtype=torch.bfloat16) if bf16 else nullcontext():
         logits = model(images)
         loss = F.cross_entropy(logits.float(), labels)
     del logits  # frees the activations' last reference before backward allocates gradients
@@ -65,6 +73,8 @@ def train_step(model: nn.Module, optimizer: torch.optim.Optimizer, scheduler, ba
         raise NonFiniteLossError(f"non-finite loss or gradients at step {scheduler.last_epoch + 1} (loss "
                                  f"{loss.item():.4g}, gradient norm {grad_norm.item():.4g}): lower optim.lr "
                                  "or set optim.grad_clip")
+    if before_update is not None:
+        before_update()
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
     scheduler.step()

@@ -19,6 +19,7 @@ from traincore.config import TelemetryConfig
 from traincore.dist import DistContext
 from traincore.metrics import IntervalMeter, RunTotals, WaitTimer, memory_metrics, peak_flops
 from traincore.sinks import MetricSink, build_sinks, resolve_wandb_key
+from traincore.startup import StartupClock
 
 logger = logging.getLogger(__name__)
 
@@ -199,6 +200,14 @@ class Telemetry:
             logger.info(line)
         if not math.isfinite(metrics["loss"]):
             logger.warning("loss is %s at step %d", metrics["loss"], step)
+
+    def log_startup(self, step: int, startup: StartupClock) -> None:
+        """Log where start-up time went, and write it as one record of kind "startup" (rank 0 only)."""
+        if self.rank != 0:
+            return
+        for sink in self._sinks:
+            sink.log(step, startup.record(), kind="startup")
+        logger.info(startup.describe())
 
     def log_eval(self, step: int, metrics: dict[str, float]) -> None:
         """Write evaluation metrics as kind "eval" and log them (rank 0 only)."""

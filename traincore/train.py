@@ -20,7 +20,7 @@ import tempfile
 import time
 from collections.abc import Iterator
 from contextlib import ExitStack, contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -39,6 +39,7 @@ from traincore.models import build_model, parameter_count
 from traincore.presets import PRESETS, preset
 from traincore.profiling import ProfilerWindow
 from traincore.sinks import resolve_wandb_key
+from traincore.startup import StartupClock, process_start_time
 from traincore.state import Progress, training_registry, unwrap_model
 from traincore.steps import endless, seed_everything, total_steps, train_step, validate, warmup_cosine
 from traincore.telemetry import Telemetry, Workload, setup_logging
@@ -60,15 +61,24 @@ class TrainSummary:
     output_dir: str
     wall_s: float
     world_size: int = 1
+    startup_s: dict[str, float] = field(default_factory=dict)
+    """This attempt's start-up phases in seconds (imports, preflight, ..., first step), in order."""
 
 
 @contextmanager
 def gc_paused() -> Iterator[None]:
-    """A full collection mid-step costs more than the garbage it frees: the loop collects on its schedule."""
+    """A collection mid-step costs more than the garbage it frees: the loop collects on its schedule.
+
+    What exists when the loop starts (torch's modules and the run's parts: millions of objects, which a
+    full collection walks for most of a second) is frozen, so the loop's collections only look at what
+    the steps allocated since.
+    """
     gc.disable()
+    gc.freeze()
     try:
         yield
     finally:
+        gc.unfreeze()
         gc.enable()
 
 
@@ -197,14 +207,22 @@ def check_resume(cfg: Config, manifest: Manifest, root: Path, data_dir: str | Pa
 
 
 class Trainer:
-    """One run in this worker: owns the run-wide parts and their state, trains, tears down in one place."""
+    """One run in this worker: owns the run-wide parts and their state, trains, tears down in one place.
+
+    ``started_at`` (epoch seconds, e.g. :func:`~traincore.startup.process_start_time`) is where the start-up
+    figures begin: what ran before the Trainer was built counts as "imports". None: they begin now.
+    """
 
     def __init__(self, cfg: Config, data_dir: str | Path, output_dir: str | Path,
-                 checkpoint_dir: str | Path | None = None):
+                 checkpoint_dir: str | Path | None = None, started_at: float | None = None):
+        self.startup = StartupClock(started_at)
+        if started_at is not None:
+            self.startup.mark("imports")
         self.cfg, self.data_dir, self.output = cfg, Path(data_dir), Path(output_dir)
         self.checkpoint_root = Path(checkpoint_dir) if checkpoint_dir else self.output / "checkpoints"
         self.manifest = preflight(cfg, data_dir, self.output, self.checkpoint_root)
         self.progress = Progress()
+        self.startup.mark("preflight")
 
     def train(self) -> TrainSummary:
         """Set up, resume, run the steps, validate, summarise."""
@@ -213,6 +231,7 @@ class Trainer:
         with ExitStack() as stack:  # unwinds in reverse: gc, profiler, checkpointer, telemetry, process group
             self.ctx = stack.enter_context(distributed(self.cfg.dist))
             setup_logging(self.cfg.telemetry.level, self.ctx.rank)
+            self.startup.mark("process group")
             self.output.mkdir(parents=True, exist_ok=True)
             self.build_model()
             self.open_parts(stack)
@@ -230,6 +249,7 @@ class Trainer:
         cfg, ctx = self.cfg, self.ctx
         self.telemetry = Telemetry(cfg.telemetry, self.output, ctx, self.workload(), cfg.to_dict())
         stack.callback(self.telemetry.close)
+        self.startup.mark("telemetry")
         seed_everything(cfg.train.seed + ctx.rank)  # per-rank streams; a resume restores them
         self.register_state()
         self.checkpointer = Checkpointer(self.checkpoint_root, cfg.checkpoint, self.registry, ctx.rank,
@@ -249,6 +269,7 @@ class Trainer:
         self.loader = StagedLoader(train_split, loader_cfg, rank=ctx.rank, world_size=ctx.world_size,
                                    seed=cfg.train.seed, device=ctx.device)
         self.total_steps = total_steps(cfg, self.loader.steps_per_epoch)
+        self.startup.mark("loader")
         seed_everything(cfg.train.seed)  # identical initial weights on every rank
         model = build_model(cfg.model, self.manifest.num_classes, self.manifest.shape).to(ctx.device)
         if ctx.distributed:
@@ -261,6 +282,7 @@ class Trainer:
                                            foreach=True)
         schedule = warmup_cosine(cfg, self.total_steps)
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, schedule)
+        self.startup.mark("model")
 
     def workload(self) -> Workload:
         """Steps, batch and FLOPs for telemetry; MFU is measured against the dtype the run computes in."""
@@ -295,6 +317,7 @@ class Trainer:
                  self.cfg.model.name, f"{parameter_count(self.model):,}", self.ctx.device, self.total_steps,
                  self.loader.steps_per_epoch, self.loader.global_batch_size,
                  f", resumed from step {resumed} in {self.checkpoint_root}" if resumed else "")
+        self.startup.mark("checkpoint look-up")
         return resumed
 
     def run_steps(self) -> None:
@@ -307,12 +330,15 @@ class Trainer:
             with self.telemetry.data_wait():
                 batch = next(batches)
             self.profiler.on_step(progress.step)
-            loss = train_step(self.model, self.optimizer, self.scheduler, batch, cfg)
+            loss = train_step(self.model, self.optimizer, self.scheduler, batch, cfg,
+                              before_update=self.checkpointer.wait_for_snapshot)
             progress.step += 1
             step, last = progress.step, progress.step == self.total_steps
             self.telemetry.step_done(step, loss, self.scheduler.get_last_lr()[0])
             if step == first_step:
                 tighten_timeout(cfg.dist)  # start-up is over: a hung peer should now fail fast
+                self.startup.mark("first step")
+                self.telemetry.log_startup(step, self.startup)
             if step % cfg.train.gc_every == 0:
                 gc.collect()
             if cfg.train.eval_every and step % cfg.train.eval_every == 0 and not last:
@@ -328,7 +354,8 @@ class Trainer:
                             data_wait_share=totals["data_wait_share"], final_loss=totals["final_loss"],
                             val_accuracy=val_accuracy, resumed_from=resumed,
                             checkpoint_dir=str(self.checkpoint_root), output_dir=str(self.output),
-                            wall_s=totals["wall_s"], world_size=self.ctx.world_size)
+                            wall_s=totals["wall_s"], world_size=self.ctx.world_size,
+                            startup_s=dict(self.startup.phases))
 
 
 # ---- CLI -----------------------------------------------------------------------------------------
@@ -434,7 +461,8 @@ def main(argv: list[str] | None = None) -> int:
     possible; no traceback. Under torchrun, the line is printed once (see :func:`_report`)."""
     args = parse_args(argv)
     try:
-        summary = Trainer(build_config(args), args.data, args.output, args.checkpoint_dir).train()
+        summary = Trainer(build_config(args), args.data, args.output, args.checkpoint_dir,
+                          started_at=process_start_time()).train()
     except USAGE_ERRORS as exc:
         _report(exc, _launch_rank())
         return 2

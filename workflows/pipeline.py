@@ -31,6 +31,7 @@ def train_on_backend(config: Config, dataset: StagedDataset, topology: Topology,
 class PipelineOutputs(NamedTuple):
     model: ModelArtifact
     report: EvalReport
+    dataset: StagedDataset
 
 
 @workflow
@@ -80,8 +81,9 @@ def training_pipeline(
             ~/venv/bin/activate' (empty in a local run = activate this run's virtualenv).
 
     Returns:
-        model: The exported model (model.safetensors, its config JSON and sha256).
-        report: Test accuracy, loss, per-class precision and recall and the confusion matrix.
+        model: The exported model (model.safetensors, its config JSON with its sha256, lineage.json).
+        report: Test accuracy, loss, per-class precision and recall, the confusion matrix and the lineage.
+        dataset: The staged dataset the model was trained and tested on.
     """
     plan = plan_run(source=source, preset=preset, config_overrides=config_overrides, epochs=epochs,
                     max_steps=max_steps, backend=backend, nnodes=nnodes, nproc_per_node=nproc_per_node,
@@ -89,9 +91,9 @@ def training_pipeline(
                     checkpoint_uri=checkpoint_uri, slurm_target=slurm_target, slurm_partition=slurm_partition,
                     slurm_account=slurm_account, slurm_time_limit=slurm_time_limit,
                     slurm_sbatch_flags=slurm_sbatch_flags, slurm_setup=slurm_setup)
-    dataset = stage_dataset(data=plan.data)
+    dataset = stage_dataset(data=plan.data, source_fingerprint=plan.source_fingerprint)
     trained = train_on_backend(config=plan.config, dataset=dataset, topology=plan.topology,
                                checkpoint_uri=checkpoint_uri)
-    model = export_model(trained=trained)
+    model = export_model(trained=trained, dataset=dataset)
     report = evaluate_model(model=model, dataset=dataset, trained=trained)
-    return PipelineOutputs(model=model, report=report)
+    return PipelineOutputs(model=model, report=report, dataset=dataset)

@@ -3,18 +3,18 @@
 from __future__ import annotations
 
 import hashlib
-import re
 from pathlib import Path
 
 import pytest
 
-from tasks.evaluate import deck_html, evaluate_model
+from tasks.evaluate import evaluate_model
 from tasks.export import export_model
 from tasks.launch import train_task_for
 from tasks.report import read_metrics
 from tasks.types import StagedDataset, Topology
 from traincore.data import Manifest
 from traincore.evaluate import evaluate
+from traincore.lineage import Lineage
 from traincore.presets import preset
 
 
@@ -48,21 +48,30 @@ def test_train_returns_rank_zeros_result_and_resumes_from_the_durable_root(train
     assert 0.0 <= second.summary.val_accuracy <= 1.0 and second.summary.final_loss > 0
 
 
-def test_export_writes_verified_weights_of_the_latest_checkpoint(trained):
-    model = export_model(trained=trained[1])
-    weights = Path(model.directory.path) / model.weights_file
+def test_export_writes_verified_weights_of_the_latest_checkpoint_and_lineage(trained, synthetic_dir):
+    dataset = staged(synthetic_dir)
+    model = export_model(trained=trained[1], dataset=dataset)
+    directory = Path(model.directory.path)
+    weights = directory / model.weights_file
     assert model.export.step == 15 and model.export.num_bytes == weights.stat().st_size
     assert hashlib.sha256(weights.read_bytes()).hexdigest() == model.export.sha256
-    assert (Path(model.directory.path) / Path(model.export.config_path).name).is_file()
+    assert (directory / Path(model.export.config_path).name).is_file()
+    lineage = model.export.lineage
+    assert Lineage.load(directory / "lineage.json") == lineage
+    assert (lineage.source, lineage.source_fingerprint, lineage.staging_format) == (
+        dataset.source, dataset.source_fingerprint, dataset.format_version)
+    assert (lineage.checkpoint_step, lineage.world_size, lineage.model_sha256) == (15, 1, model.export.sha256)
+    assert lineage.execution_id.endswith("/local") and lineage.metrics["steps"] == 15
+    assert lineage.config["train"]["max_steps"] == 15
 
 
-def test_evaluate_reports_the_test_split_and_draws_the_deck(trained, synthetic_dir):
-    model = export_model(trained=trained[1])
+def test_evaluate_reports_the_test_split_and_its_lineage(trained, synthetic_dir):
+    model = export_model(trained=trained[1], dataset=staged(synthetic_dir))
     report = evaluate_model(model=model, dataset=staged(synthetic_dir), trained=trained[1])
     direct = evaluate(Path(model.directory.path) / model.weights_file, synthetic_dir, "test")
     result = report.result
     assert (result.accuracy, result.confusion, result.count) == (direct.accuracy, direct.confusion, 10)
-    assert report.model_sha256 == model.export.sha256
-    page = deck_html(direct, read_metrics(Path(trained[1].logs.path) / "metrics.jsonl"))
-    assert len(re.findall(r'<img alt="[^"]+" src="data:image/png;base64,', page)) == 2
-    assert f"test accuracy: {direct.accuracy:.3f}" in page
+    lineage = report.lineage
+    assert (lineage.test_accuracy, lineage.test_count) == (direct.accuracy, 10)
+    assert lineage.model_sha256 == model.export.sha256
+    assert lineage.config_hash == model.export.lineage.config_hash

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import signal
 from dataclasses import replace
 
@@ -177,3 +178,26 @@ def test_crashed_worker_stays_a_user_error(monkeypatch, dataset, tmp_path):
     with pytest.raises(FlyteUserRuntimeException) as caught:
         train_task.execute(config=preset("debug"), dataset=dataset, checkpoint_root=str(tmp_path))
     assert not isinstance(caught.value, FlyteRecoverableException)
+
+
+def test_one_process_trains_in_the_task_process_and_more_launch_workers(monkeypatch, dataset, tmp_path):
+    trained_in = []
+
+    class Recording(train_module.Trainer):
+        """The real Trainer, noting the process it runs in (a spawned worker would not see this class)."""
+
+        def train(self):
+            trained_in.append(os.getpid())
+            return super().train()
+
+    monkeypatch.setattr(train_module, "Trainer", Recording)
+    config = preset("debug").with_overrides({"train": {"max_steps": 2}, "telemetry": {"tensorboard": False}})
+    one = train_task_for(Topology(nproc_per_node=1), config)
+    assert one.single_process
+    result = one(config=config, dataset=dataset, checkpoint_root=str(tmp_path / "checkpoints"))
+    assert trained_in == [os.getpid()]
+    assert result.summary.steps == 2 and result.summary.world_size == 1
+    assert "first step" in result.summary.startup_s
+    # Several processes, or restarts (which need torch elastic's agent), still launch workers.
+    assert not train_task_for(Topology(nproc_per_node=2), config).single_process
+    assert not train_task_for(Topology(nproc_per_node=1, max_restarts=1), config).single_process

@@ -204,13 +204,16 @@ def test_a_checkpoint_that_is_a_file_is_named(tmp_path):
 
 
 def test_weights_without_their_config_are_not_left_behind(tmp_path, monkeypatch):
-    """The config is published last; when that fails, the weights just published go too."""
+    """The config is published last; when that fails, the weights and lineage just published go too."""
     trained_checkpoint(tmp_path / "checkpoints", "sync")
+    publish_text = traincore.export._publish_text
 
-    def fail_config(data, path):
+    def fail_config(text, path):
+        if path.name != "m.json":
+            return publish_text(text, path)
         raise OSError(28, "No space left on device", str(path))
 
-    monkeypatch.setattr(traincore.export, "_publish_json", fail_config)
+    monkeypatch.setattr(traincore.export, "_publish_text", fail_config)
     with pytest.raises(ExportError, match=r"No space left on device \(.*m\.json\)"):
         export(tmp_path / "checkpoints", tmp_path / "out" / "m.safetensors")
     assert list((tmp_path / "out").iterdir()) == []

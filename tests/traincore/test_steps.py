@@ -62,3 +62,29 @@ def test_train_step_updates_weights_and_lr():
     assert not torch.equal(before, model[1].weight)
     assert scheduler.last_epoch == 1
     assert all(p.grad is None for p in model.parameters())
+
+
+def test_before_update_runs_once_per_step_right_before_the_weights_change():
+    model = nn.Sequential(nn.Flatten(), nn.Linear(4, 3))
+    model, optimizer, scheduler = _parts(model)
+    initial = model[1].weight.clone()
+    seen = []
+
+    def before_update():  # the weights as the optimizer is about to update them, gradients in place
+        seen.append((model[1].weight.clone(), model[1].weight.grad is not None))
+
+    batch = (torch.randn(5, 4), torch.tensor([0, 1, 2, 0, 1]))
+    train_step(model, optimizer, scheduler, batch, debug(), before_update=before_update)
+    assert len(seen) == 1 and seen[0][1]
+    assert torch.equal(seen[0][0], initial)
+    train_step(model, optimizer, scheduler, batch, debug(), before_update=before_update)
+    assert len(seen) == 2 and not torch.equal(seen[1][0], initial)
+
+
+def test_before_update_is_not_reached_when_the_loss_is_not_finite():
+    model, optimizer, scheduler = _parts(_Poisoned())
+    calls = []
+    with pytest.raises(NonFiniteLossError):
+        train_step(model, optimizer, scheduler, (torch.randn(5, 4), torch.tensor([0, 1, 2, 0, 1])), debug(),
+                   before_update=lambda: calls.append(1))
+    assert calls == []

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import gc
 import json
 import os
 import signal
@@ -18,6 +19,7 @@ from traincore.checkpoint_files import complete_steps
 from traincore.config import DataConfig
 from traincore.export import export
 from traincore.stage import stage
+from traincore.train import gc_paused
 
 TINY = {"model": {"name": "small_cnn", "width": 8}, "optim": {"lr": 3e-3, "warmup_steps": 2},
         "loader": {"batch_size": 8}, "telemetry": {"log_every": 2}}
@@ -83,6 +85,24 @@ def test_two_process_training_learns_and_matches_golden_losses(data_dir, tmp_pat
     golden = torch.tensor([1.4081, 1.2062, 0.9831, 0.9097, 0.8773])
     torch.testing.assert_close(torch.tensor(losses[:5]), golden, atol=2e-3, rtol=0)
     assert "trained 20 steps" in done.stdout
+    # Rank 0 alone reports where start-up went: one log line, one record.
+    rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    startup = [row for row in rows if row["kind"] == "startup"]
+    assert len(startup) == 1 and startup[0]["step"] == 1, startup
+    assert startup[0]["imports_s"] > 0 and startup[0]["process_group_s"] >= 0
+    assert done.stderr.count("to first step: imports") == 1, done.stderr[-3000:]
+
+
+def test_gc_paused_freezes_what_exists_and_restores_the_collector():
+    assert gc.isenabled() and gc.get_freeze_count() == 0
+    with gc_paused():
+        assert not gc.isenabled()
+        assert gc.get_freeze_count() > 0  # existing objects are out of the loop's collections
+        garbage = [[]]
+        garbage[0].append(garbage)  # a cycle made inside the loop is still collected there
+        del garbage
+        assert gc.collect() >= 1
+    assert gc.isenabled() and gc.get_freeze_count() == 0
 
 
 def test_killed_run_resumes_to_bitwise_identical_weights(data_dir, tmp_path):

@@ -26,38 +26,34 @@ def forbid_staging(monkeypatch):
 @pytest.fixture(scope="module")
 def first_run(tmp_path_factory):
     checkpoints = tmp_path_factory.mktemp("run") / "checkpoints"
-    model, report = training_pipeline(**SMALL, checkpoint_uri=str(checkpoints))
-    return model, report, checkpoints
+    model, report, dataset = training_pipeline(**SMALL, checkpoint_uri=str(checkpoints))
+    return model, report, dataset, checkpoints
 
 
 def test_pipeline_trains_exports_and_reports_a_real_accuracy(first_run):
-    model, report, checkpoints = first_run
+    model, report, dataset, checkpoints = first_run
     weights = Path(model.directory.path) / model.weights_file
-    assert hashlib.sha256(weights.read_bytes()).hexdigest() == model.export.sha256 == report.model_sha256
+    digest = hashlib.sha256(weights.read_bytes()).hexdigest()
+    assert digest == model.export.sha256 == report.lineage.model_sha256
+    assert report.lineage.source_fingerprint == dataset.source_fingerprint != ""
+    assert (report.lineage.world_size, report.lineage.checkpoint_step) == (2, 60)
     assert model.export.step == 60 and (checkpoints / "step-000060").is_dir()
     report = report.result
     assert report.count == sum(map(sum, report.confusion)) == 60  # 10% of 600 samples
     assert report.accuracy == pytest.approx(sum(report.confusion[k][k] for k in range(10)) / report.count)
     assert report.accuracy > 0.3  # chance is 0.1
     assert len(report.precision) == len(report.recall) == len(report.classes) == 10
-    return_trip = evaluate(weights, first_staged_directory(), "test")
+    assert dataset.counts["test"] == report.count
+    return_trip = evaluate(weights, dataset.directory.path, "test")
     assert return_trip.accuracy == report.accuracy and return_trip.confusion == report.confusion
-
-
-def first_staged_directory() -> str:
-    """The staged dataset the first run produced, fetched through the stage task's cache."""
-    from tasks.plan import build_config
-    from tasks.stage import stage_dataset
-
-    data = build_config(SMALL["preset"], SMALL["config_overrides"], SMALL["source"], 0,
-                        SMALL["max_steps"]).data
-    return stage_dataset(data=data).directory.path
 
 
 def test_rerun_hits_the_staging_cache(first_run, monkeypatch, tmp_path):
     forbid_staging(monkeypatch)
-    model, report = training_pipeline(**SMALL | dict(max_steps=10), checkpoint_uri=str(tmp_path / "again"))
+    model, report, dataset = training_pipeline(**SMALL | dict(max_steps=10),
+                                               checkpoint_uri=str(tmp_path / "again"))
     assert model.export.step == 10 and report.result.count == first_run[1].result.count
+    assert dataset.directory.path == first_run[2].directory.path
 
 
 @pytest.mark.parametrize("bad, named", [

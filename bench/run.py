@@ -1,0 +1,158 @@
+"""Run every benchmark and write bench/results/latest.json and latest.md: `make bench`.
+
+    python bench/run.py [--results bench/results] [--scratch runs/bench] [--only NAME ...] [--tiny]
+
+Each benchmark script runs as its own process with ``--json PATH`` and writes
+``{"benchmark": name, "results": [rows], "ratios": {name: value}}`` (optionally ``"targets": {name:
+text}``). A script that is missing, fails or writes no JSON becomes one error line in the tables; the other
+benchmarks still run. The results carry the machine they were measured on.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a script from a source checkout
+
+from bench.tables import markdown_table  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[1]
+ERROR_CHARS = 400  # of a failed benchmark's error line in latest.md (latest.json has all of it)
+BENCHMARKS = ("loader", "checkpoint", "step", "startup", "end_to_end")
+# The issue's targets, for benchmarks whose JSON states none: (benchmark, ratio) -> target, and (benchmark,
+# None) -> the target of every ratio of that benchmark.
+TARGETS = {("checkpoint", "async_blocking_over_copy"): "<= 0.1", ("step", None): "<= 1.05",
+           ("startup", "1 process"): "<= 1.5", ("startup", "2 processes"): "<= 1.5"}
+TINY_ARGS = {  # seconds-long sizes for a smoke run; scripts without such options get none
+    "loader": ["--images", "200", "--size", "16", "--naive-samples", "64", "--rounds", "1"],
+    "end_to_end": ["--tiny"],
+}
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--results", default=str(ROOT / "bench" / "results"),
+                        help="where latest.json and latest.md go")
+    parser.add_argument("--scratch", default=str(ROOT / "runs" / "bench"),
+                        help="generated data, run directories and per-benchmark JSON (not committed)")
+    parser.add_argument("--only", nargs="+", choices=BENCHMARKS, default=list(BENCHMARKS))
+    parser.add_argument("--tiny", action="store_true", help="smoke-test sizes where a benchmark has them")
+    return parser.parse_args(argv)
+
+
+def machine_info() -> dict:
+    """CPU model, cores, RAM, torch version, CUDA device, git revision, load average and date of this run."""
+    import torch
+
+    cpu = next((line.split(":", 1)[1].strip() for line in _read("/proc/cpuinfo").splitlines()
+                if line.startswith("model name")), platform.processor() or "unknown")
+    mem_kib = next((int(line.split()[1]) for line in _read("/proc/meminfo").splitlines()
+                    if line.startswith("MemTotal:")), 0)
+    git = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True)
+    dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=ROOT,
+                           capture_output=True, text=True)
+    return {"cpu": cpu, "cores": os.cpu_count(), "ram_gib": round(mem_kib / 2**20, 1),
+            "torch": torch.__version__, "python": platform.python_version(),
+            "cuda_device": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
+            "git": git.stdout.strip() + ("+changes" if dirty.stdout.strip() else "") or "unknown",
+            "load_avg_1m_5m_15m": ", ".join(f"{load:.1f}" for load in os.getloadavg()),
+            "date": time.strftime("%Y-%m-%d %H:%M:%S %Z")}
+
+
+def _read(path: str) -> str:
+    try:
+        return Path(path).read_text()
+    except OSError:
+        return ""
+
+
+def run_benchmark(name: str, script: Path, args: list[str], scratch: Path) -> dict:
+    """Run one benchmark script with ``--json``: its JSON, or ``{"benchmark", "error"}`` naming the fault."""
+    if not script.exists():
+        return {"benchmark": name, "error": f"{os.path.relpath(script, ROOT)} does not exist"}
+    out = scratch / f"{name}.json"
+    out.unlink(missing_ok=True)
+    errors = scratch / f"{name}.stderr.log"
+    start = time.perf_counter()
+    with open(errors, "w") as stderr:  # stdout stays live on the terminal
+        code = subprocess.run([sys.executable, str(script), *args, "--json", str(out)], cwd=ROOT,
+                              stderr=stderr).returncode
+    seconds = time.perf_counter() - start
+    if code or not out.exists():
+        lines = [line for line in errors.read_text(errors="replace").splitlines() if line.strip()]
+        lines = lines or ["no output on stderr"]
+        why = f"exit code {code}" if code else "it wrote no --json file"
+        return {"benchmark": name, "error": f"{os.path.relpath(script, ROOT)} failed ({why}): {lines[-1]} "
+                                            f"(full output: {os.path.relpath(errors, ROOT)})"}
+    try:
+        result = json.loads(out.read_text())
+        if not isinstance(result.get("results"), list):
+            raise ValueError("no 'results' list")
+    except ValueError as exc:
+        return {"benchmark": name, "error": f"{os.path.relpath(script, ROOT)} wrote unusable JSON ({exc})"}
+    return {**result, "benchmark": name, "seconds": round(seconds, 1)}
+
+
+def markdown(machine: dict, results: list[dict], command: str) -> str:
+    """The report: machine, then per benchmark its rows and its ratios against their targets."""
+    lines = [f"Measured with `{command}` on {machine['date']}, git {machine['git']}.", "",
+             markdown_table([machine]), ""]
+    for result in results:
+        lines.append(f"### {result['benchmark']}")
+        lines.append("")
+        if "error" in result:
+            error = result["error"]
+            shown = error if len(error) <= ERROR_CHARS else f"{error[:ERROR_CHARS]} ... (see latest.json)"
+            lines += [f"**error**: {shown}", ""]
+            continue
+        lines += [markdown_table(result["results"]), ""]
+        ratios = [{"ratio": name, "value": value, "target": target_of(result, name)}
+                  for name, value in result.get("ratios", {}).items()]
+        if ratios:
+            lines += [markdown_table(ratios), ""]
+    return "\n".join(lines)
+
+
+def target_of(result: dict, ratio: str) -> str:
+    """The target a ratio is held to: the benchmark's own, else the issue's (TARGETS), else "(none)"."""
+    name = result["benchmark"]
+    own = result.get("targets", {}).get(ratio)
+    return own or TARGETS.get((name, ratio)) or TARGETS.get((name, None)) or "(none)"
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    scratch, out = Path(args.scratch).resolve(), Path(args.results)
+    scratch.mkdir(parents=True, exist_ok=True)
+    results = []
+    for name in args.only:
+        extra = TINY_ARGS.get(name, []) if args.tiny else []
+        if name in ("loader", "end_to_end"):
+            extra = [*extra, "--dir", str(scratch)]
+        print(f"== {name}", flush=True)
+        results.append(run_benchmark(name, ROOT / "bench" / f"{name}.py", extra, scratch))
+    machine = machine_info()
+    command = " ".join(["python bench/run.py", *(sys.argv[1:] if argv is None else argv)])
+    out.mkdir(parents=True, exist_ok=True)
+    report = {"machine": machine, "command": command, "benchmarks": results}
+    _publish(out / "latest.json", json.dumps(report, indent=2) + "\n")
+    _publish(out / "latest.md", markdown(machine, results, command) + "\n")
+    print(f"wrote {out / 'latest.json'} and {out / 'latest.md'}")
+
+
+def _publish(path: Path, text: str) -> None:
+    """Write ``text`` to ``path`` atomically: a reader never sees a half-written table."""
+    partial = path.with_name(f".{path.name}.partial")
+    partial.write_text(text)
+    partial.replace(path)
+
+
+if __name__ == "__main__":
+    main()

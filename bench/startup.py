@@ -1,0 +1,116 @@
+"""Start-up benchmark: time from the command to the first training step, against ``import torch``.
+
+    python bench/startup.py [--data DIR] [--repeats 3] [--max-steps 2] [--json PATH]
+
+Rows, each run ``--repeats`` times, interleaved so that load on the machine hits every row alike:
+  import torch  ``python -c "import torch"``: the baseline, the whole process's wall time
+  1 process     ``python -m traincore.train --preset digits``
+  2 processes   ``torchrun --standalone --nproc-per-node 2 -m traincore.train --preset digits``
+For the training rows, the first step's time comes from the "startup" record that rank 0 writes to
+metrics.jsonl (its process start plus the phases up to the first step), measured from the moment this script
+started the command; ``launcher`` is the part before rank 0's process existed (torchrun, worker spawn).
+Ratios are medians against the baseline's median in the same run; the target (<= 1.5x) is printed, not
+asserted. ``--data`` defaults to the digits data staged once into a temporary directory.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a script from a source checkout
+
+from traincore.config import DataConfig  # noqa: E402
+from traincore.stage import stage  # noqa: E402
+
+TARGET_RATIO = 1.5
+TRAIN = ["-m", "traincore.train", "--preset", "digits"]
+CASES = {
+    "import torch": [sys.executable, "-c", "import torch"],
+    "1 process": [sys.executable, *TRAIN],
+    "2 processes": [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
+                    *TRAIN],
+}
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--data", help="staged digits directory (default: stage it into a temporary one)")
+    parser.add_argument("--repeats", type=int, default=3, help="runs per row (the median counts)")
+    parser.add_argument("--max-steps", type=int, default=2, help="steps each training run takes")
+    parser.add_argument("--json", help="also write the rows and ratios to this file")
+    args = parser.parse_args(argv)
+    for name in ("repeats", "max_steps"):
+        if getattr(args, name) < 1:
+            parser.error(f"--{name.replace('_', '-')}={getattr(args, name)} must be >= 1")
+    return args
+
+
+def startup_record(metrics: Path) -> dict:
+    """The last "startup" record in a metrics.jsonl."""
+    records = [json.loads(line) for line in metrics.read_text().splitlines()]
+    found = [record for record in records if record.get("kind") == "startup"]
+    if not found:
+        raise RuntimeError(f"{metrics} holds no startup record: did the run reach its first step?")
+    return found[-1]
+
+
+def run_case(name: str, data: Path, max_steps: int, workdir: Path) -> dict:
+    """Run one row once; its wall time and, for training rows, the first step's time and phases."""
+    command = list(CASES[name])
+    output = workdir / f"{name.replace(' ', '-')}-{time.monotonic_ns()}"
+    if name != "import torch":
+        command += ["--data", str(data), "--output", str(output), "--max-steps", str(max_steps),
+                    "--resume", "none", "--config", '{"telemetry": {"progress": "off"}}']
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    started = time.time()
+    done = subprocess.run(command, capture_output=True, text=True, env=env, timeout=600)
+    wall = time.time() - started
+    if done.returncode != 0:
+        raise RuntimeError(f"{name} failed ({done.returncode}):\n{done.stderr[-3000:]}")
+    row = {"case": name, "wall_s": round(wall, 3)}
+    if name == "import torch":
+        return {**row, "to_first_step_s": round(wall, 3)}
+    record = startup_record(output / "metrics.jsonl")
+    phases = {key: value for key, value in record.items() if key.endswith("_s") and key != "total_s"}
+    return {**row, "to_first_step_s": round(record["origin"] + record["total_s"] - started, 3),
+            "launcher_s": round(record["origin"] - started, 3), **phases}
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    with tempfile.TemporaryDirectory(prefix="bench-startup-") as tmp:
+        data = Path(args.data) if args.data else Path(tmp) / "digits"
+        if not args.data:
+            stage(DataConfig(source="digits", image_size=32, channels=1), data)
+        rows = [run_case(name, data, args.max_steps, Path(tmp))
+                for _ in range(args.repeats) for name in CASES]
+    medians = {name: statistics.median(r["to_first_step_s"] for r in rows if r["case"] == name)
+               for name in CASES}
+    baseline = medians["import torch"]
+    ratios = {name: round(medians[name] / baseline, 3) for name in CASES if name != "import torch"}
+    print(f"{'case':<14}{'first step s':>14}{'launcher s':>12}  phases (median run)")
+    for name in CASES:
+        runs = sorted((r for r in rows if r["case"] == name), key=lambda r: r["to_first_step_s"])
+        mid = runs[len(runs) // 2]
+        phases = ", ".join(f"{k[:-2]} {v:.2f}" for k, v in mid.items()
+                           if k.endswith("_s") and k not in ("wall_s", "to_first_step_s", "launcher_s"))
+        launcher = f"{mid['launcher_s']:.2f}" if "launcher_s" in mid else "-"
+        print(f"{name:<14}{medians[name]:>14.2f}{launcher:>12}  {phases}")
+    for name, ratio in ratios.items():
+        print(f"{name}: {ratio:.2f}x import torch (target <= {TARGET_RATIO}x)")
+    if args.json:
+        Path(args.json).write_text(json.dumps({"benchmark": "startup", "results": rows, "ratios": ratios},
+                                              indent=2) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
