@@ -12,10 +12,17 @@ batch, checkpoint interval and world size run through:
   pyflyte   pyflyte run workflows/pipeline.py training_pipeline (the staging task is a cache hit: run once
             before timing); the command also exports and evaluates the model
 Timed: each command from its start. "to N steps" ends at rank 0's timestamp of step N, "first step" at
-that of step 1 (our runs: the start-up record in metrics.jsonl), "command" when the command exits.
-Not timed: generating the images and staging. samples/s is the steady rate after the first logging
-interval; data-wait is the share of the loop spent waiting for batches; stall is the time one checkpoint
-save blocks rank 0; peak RSS sums the resident memory of the command's whole process tree (sampled).
+that of step 1 (our runs: the start-up record in metrics.jsonl), "command" when the command exits; the
+"timed" column of each row says what its command does in that time. Not timed: generating the images and
+staging (pyflyte: its cache hit is timed, the staging itself is not, except with --tiny). samples/s is the
+steady rate after the first logging interval; data-wait is the share of the loop spent waiting for
+batches; stall is the time one checkpoint save blocks rank 0; peak RSS sums the resident memory of the
+command's whole process tree (sampled).
+
+Ratios: "naive/torchrun" compares the time to N steps (the training loops); "pyflyte/torchrun" the whole
+commands (the workflow with its export and evaluation against the torchrun command, as a user waits for
+them); "pyflyte/torchrun to N steps" compares the times to N steps, which tells the start-up part of that
+gap from the part after training (export, evaluation, exit).
 """
 
 from __future__ import annotations
@@ -45,6 +52,11 @@ from traincore.stage import stage  # noqa: E402
 ROOT = Path(__file__).resolve().parents[1]
 TARGETS = {"naive/torchrun": 3.0, "pyflyte/torchrun": 1.1}  # naive at least 3x slower; pyflyte within 1.1x
 MODELS = ("vit_tiny", "small_cnn")
+# What each row's command does between its start and its exit (the "timed" column).
+TIMED = {"naive": "torchrun launch, PIL decode per sample, training, rank-0 torch.save",
+         "torchrun": "torchrun launch, training, checkpoints, final validation",
+         "pyflyte": "pyflyte CLI, plan, staging cache hit, the torchrun row's training, export, evaluation "
+                    "+ Deck"}
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -137,25 +149,30 @@ def bench_model(model: str, args: argparse.Namespace, cache: Path) -> list[dict]
             figures = our_figures(metrics, run, global_batch)
         print(f"{model} {variant}: {figures['to_n_steps_s']:.1f} s to {args.steps} steps "
               f"({run.wall_s:.1f} s command)", flush=True)
-        rows.append({"model": model, "variant": variant, **figures})
+        rows.append({"model": model, "variant": variant, **figures, "timed": TIMED[variant]})
     return rows
 
 
 def ratios(rows: list[dict]) -> dict[str, float]:
-    """Time to N steps of naive and pyflyte over torchrun's, per model."""
+    """Per model: naive over torchrun to N steps; pyflyte over torchrun, whole commands and to N steps."""
     out = {}
     for model in dict.fromkeys(row["model"] for row in rows):
-        times = {row["variant"]: row["to_n_steps_s"] for row in rows if row["model"] == model}
-        for variant in ("naive", "pyflyte"):
-            out[f"{model} {variant}/torchrun"] = times[variant] / times["torchrun"]
+        by_variant = {row["variant"]: row for row in rows if row["model"] == model}
+        naive, ours, flyte = by_variant["naive"], by_variant["torchrun"], by_variant["pyflyte"]
+        out[f"{model} naive/torchrun"] = naive["to_n_steps_s"] / ours["to_n_steps_s"]
+        out[f"{model} pyflyte/torchrun"] = flyte["command_s"] / ours["command_s"]
+        out[f"{model} pyflyte/torchrun to N steps"] = flyte["to_n_steps_s"] / ours["to_n_steps_s"]
     return out
 
 
 def target_of(ratio_name: str) -> str:
-    """The target a ratio is held to, as text: naive/torchrun >= 3 (ViT), pyflyte/torchrun <= 1.1."""
-    kind = ratio_name.split(" ")[-1]
+    """The target a ratio is held to, as text: naive/torchrun >= 3 (ViT), pyflyte/torchrun <= 1.1 (whole
+    commands); the to-N-steps split of the pyflyte ratio has none."""
+    model, kind = ratio_name.split(" ")[:2]
+    if kind not in TARGETS or ratio_name != f"{model} {kind}":
+        return "(none)"
     if kind == "naive/torchrun":
-        return f">= {TARGETS[kind]:g}" if ratio_name.startswith("vit_tiny") else "(none)"
+        return f">= {TARGETS[kind]:g}" if model == "vit_tiny" else "(none)"
     return f"<= {TARGETS[kind]:g}"
 
 

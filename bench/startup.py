@@ -3,12 +3,17 @@
     python bench/startup.py [--data DIR] [--repeats 3] [--max-steps 2] [--json PATH]
 
 Rows, each run ``--repeats`` times, interleaved so that load on the machine hits every row alike:
-  import torch  ``python -c "import torch"``: the baseline, the whole process's wall time
-  1 process     ``python -m traincore.train --preset digits``
-  2 processes   ``torchrun --standalone --nproc-per-node 2 -m traincore.train --preset digits``
+  import torch             ``python -c "import torch"``: the baseline, the whole process's wall time
+  1 process                ``python -m traincore.train --preset digits``
+  2 processes              ``python -m traincore.train --nproc-per-node 2 --preset digits``: workers forked
+                           from the command's process, which checked the run once
+  2 processes (torchrun)   ``torchrun --standalone --nproc-per-node 2 -m traincore.train --preset digits``,
+                           for comparison: every worker a fresh interpreter
 For the training rows, the first step's time comes from the "startup" record that rank 0 writes to
-metrics.jsonl (its process start plus the phases up to the first step), measured from the moment this script
-started the command; ``launcher`` is the part before rank 0's process existed (torchrun, worker spawn).
+metrics.jsonl (the start of its clock plus the phases up to the first step), measured from the moment this
+script started the command; ``launcher`` is the part before that clock started: torchrun and the worker's
+spawn, about 0 for the rows whose clock starts with the command's process (a forked worker's phases hold
+its launcher's imports and preflight, then "launch").
 Ratios are medians against the baseline's median in the same run; the target (<= 1.5x) is printed, not
 asserted. ``--data`` defaults to the digits data staged once into a temporary directory.
 """
@@ -35,8 +40,9 @@ TRAIN = ["-m", "traincore.train", "--preset", "digits"]
 CASES = {
     "import torch": [sys.executable, "-c", "import torch"],
     "1 process": [sys.executable, *TRAIN],
-    "2 processes": [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
-                    *TRAIN],
+    "2 processes": [sys.executable, *TRAIN, "--nproc-per-node", "2"],
+    "2 processes (torchrun)": [sys.executable, "-m", "torch.distributed.run", "--standalone",
+                               "--nproc-per-node=2", *TRAIN],
 }
 
 
@@ -96,14 +102,15 @@ def main(argv: list[str] | None = None) -> int:
                for name in CASES}
     baseline = medians["import torch"]
     ratios = {name: round(medians[name] / baseline, 3) for name in CASES if name != "import torch"}
-    print(f"{'case':<14}{'first step s':>14}{'launcher s':>12}  phases (median run)")
+    width = max(map(len, CASES)) + 2
+    print(f"{'case':<{width}}{'first step s':>14}{'launcher s':>12}  phases (median run)")
     for name in CASES:
         runs = sorted((r for r in rows if r["case"] == name), key=lambda r: r["to_first_step_s"])
         mid = runs[len(runs) // 2]
         phases = ", ".join(f"{k[:-2]} {v:.2f}" for k, v in mid.items()
                            if k.endswith("_s") and k not in ("wall_s", "to_first_step_s", "launcher_s"))
         launcher = f"{mid['launcher_s']:.2f}" if "launcher_s" in mid else "-"
-        print(f"{name:<14}{medians[name]:>14.2f}{launcher:>12}  {phases}")
+        print(f"{name:<{width}}{medians[name]:>14.2f}{launcher:>12}  {phases}")
     for name, ratio in ratios.items():
         print(f"{name}: {ratio:.2f}x import torch (target <= {TARGET_RATIO}x)")
     if args.json:

@@ -32,6 +32,7 @@ from tasks.rendezvous import rendezvous_failure
 from tasks.storage import is_uri, local_directory
 from tasks.types import StagedDataset, Topology, TrainResult
 from traincore.config import Config
+from traincore.launch import settle_worker, worker_threads
 from traincore.startup import process_start_time
 from traincore.train import Trainer, format_summary, preflight
 
@@ -49,6 +50,8 @@ VANISHED_SIGNALS = frozenset({signal.SIGKILL, signal.SIGTERM, signal.SIGINT, sig
 def train_model(config: Config, dataset: StagedDataset, checkpoint_root: str) -> TrainResult:
     """Train in one elastic worker process; global rank 0's return value becomes the task output."""
     output = Path(flytekit.current_context().working_directory) / "run"
+    if "LOCAL_WORLD_SIZE" in os.environ:  # an elastic worker, maybe forked from the task's process
+        settle_worker(worker_threads(int(os.environ["LOCAL_WORLD_SIZE"])))
     try:
         summary = Trainer(config, local_directory(dataset.directory), output,
                           local_checkpoint_root(checkpoint_root), started_at=process_start_time()).train()
@@ -94,7 +97,8 @@ class ElasticTrainTask(PytorchElasticFunctionTask):
         timeout = topology.rdzv_timeout_s
         super().__init__(
             task_config=Elastic(
-                nnodes=topology.nnodes, nproc_per_node=topology.nproc_per_node, start_method="spawn",
+                nnodes=topology.nnodes, nproc_per_node=topology.nproc_per_node,
+                start_method=worker_start_method(topology),
                 monitor_interval=1,  # the agent notices finished workers within 1 s instead of 5
                 max_restarts=topology.max_restarts, increase_shared_mem=False,
                 # read_timeout too: the c10d store's 60 s default is shorter than a slow pod's start-up.
@@ -157,6 +161,23 @@ class ElasticTrainTask(PytorchElasticFunctionTask):
             run_id=flytekit.current_context().execution_id.name,
             timeout_s=configs.get("join_timeout", configs.get("timeout")),
             min_nodes=self.min_nodes, max_nodes=self.max_nodes)
+
+
+def worker_start_method(topology: Topology) -> str:
+    """"fork" without GPUs: the workers share the task process's imports (torch, flytekit, traincore:
+    seconds each) instead of importing them again; "spawn" with GPUs, as a CUDA context does not survive
+    a fork and the task's process has asked CUDA for its devices (preflight's backend check).
+
+    What a fork copies is safe here. At fork time the task process runs, besides its main thread: the
+    checkpoint mirror's upload thread and fsspec's I/O thread for an object-store root (tasks.mirror; the
+    workers never use them), the c10d rendezvous' keep-alive thread and the agent's TCPStore server
+    threads (workers reach the store through sockets of their own), and torch's intra-op threads once
+    preflight's forward ran (a worker sizes its own pool: traincore.launch.settle_worker). Only the forking
+    thread exists in a child, and a lock another thread held at the fork would stay locked there; the
+    locks a worker takes are re-initialised after a fork: logging's handlers' (os.register_at_fork, since
+    Python 3.7) and fsspec's event loop, lock and instance cache (fsspec.asyn and fsspec.spec reset them).
+    """
+    return "spawn" if topology.gpus_per_node else "fork"
 
 
 def restart_environment(topology: Topology) -> dict[str, str]:

@@ -38,7 +38,7 @@ def digits() -> Config:
         loader=LoaderConfig(batch_size=32),
         model=ModelConfig(name="small_cnn", width=32),
         optim=OptimConfig(lr=2e-3, warmup_steps=20),
-        train=TrainConfig(epochs=8, max_steps=0, eval_every=100),
+        train=TrainConfig(epochs=8, max_steps=0, eval_every=20),
         telemetry=TelemetryConfig(log_every=20),
     )
 

@@ -5,6 +5,10 @@ from ``/proc``), so the interpreter's own start and every import are part of the
 Each :meth:`StartupClock.mark` closes the phase that ran since the previous mark; the Trainer marks its phases
 (imports, preflight, process group, loader, model, telemetry, checkpoint look-up, first step), logs the
 split on rank 0 and writes it to the metric sinks as one record of kind "startup".
+
+A worker forked by ``python -m traincore.train --nproc-per-node N`` continues its launcher's clock
+(:meth:`StartupClock.state_dict`): the launcher's imports and preflight, then "launch" up to the worker's
+Trainer, so the figure still counts from the command's start.
 """
 
 from __future__ import annotations
@@ -53,6 +57,14 @@ class StartupClock:
         """The phases as ``<phase>_s`` numbers, plus ``total_s`` and ``origin`` (epoch seconds), for sinks."""
         record = {f"{phase.replace(' ', '_')}_s": round(seconds, 4) for phase, seconds in self.phases.items()}
         return {**record, "total_s": round(self.total, 4), "origin": self.origin}
+
+    def state_dict(self) -> dict:
+        """Origin, last mark and phases: what a worker forked by a launcher continues from."""
+        return {"origin": self.origin, "last": self._last, "phases": dict(self.phases)}
+
+    def load_state_dict(self, state: dict) -> None:
+        """Continue the clock :meth:`state_dict` describes: the next mark counts from its last mark."""
+        self.origin, self._last, self.phases = state["origin"], state["last"], dict(state["phases"])
 
     def describe(self) -> str:
         """One line, e.g. ``start-up 3.1 s to first step: imports 2.2, process group 0.1, ...``."""

@@ -1,7 +1,12 @@
-"""Train on a staged dataset: the Trainer, and its CLI (one process, or one per rank under torchrun).
+"""Train on a staged dataset: the Trainer, and its CLI (one process, N local workers, or torchrun's ranks).
 
-    torchrun --nproc-per-node N -m traincore.train --data DIR --output DIR [--max-steps N | --epochs N]
-        [--checkpoint-every N] [--checkpoint-mode sync|dcp|async] [--seed S] [--preset NAME] [--config JSON]
+    python -m traincore.train --data DIR --output DIR [--nproc-per-node N [--max-restarts R]]
+        [--max-steps N | --epochs N] [--checkpoint-every N] [--checkpoint-mode sync|dcp|async] [--seed S]
+        [--preset NAME] [--config JSON]
+    torchrun --nproc-per-node N -m traincore.train --data DIR --output DIR ...
+
+``--nproc-per-node N`` checks the run once, then forks N workers (traincore.launch) that share this
+process's imports; torchrun is for several nodes.
 
 ``--output`` receives ``checkpoints/step-*/``, ``tensorboard/`` and ``metrics.jsonl``. Running the same
 command again resumes from the latest complete checkpoint. On CPU with a fixed seed and world size the run
@@ -12,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import gc
+import importlib
 import logging
 import os
 import pickle
@@ -25,6 +31,7 @@ from pathlib import Path
 
 import torch
 from torch import nn
+from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 
 from traincore.autotune import autotune
 from traincore.checkpoint import Checkpointer
@@ -33,8 +40,9 @@ from traincore.checkpoint_format import open_saved
 from traincore.config import Config, ConfigError, ModelConfig
 from traincore.data import Manifest, StagingError, verify_staging
 from traincore.dist import distributed, explain_timeouts, resolve_backend, tighten_timeout
+from traincore.launch import launch_local, refuse_under_torchrun, start_method
 from traincore.loader import StagedLoader, StagedSplit
-from traincore.metrics import training_flops_per_sample
+from traincore.metrics import peak_flops, training_flops_per_sample
 from traincore.models import build_model, parameter_count
 from traincore.presets import PRESETS, preset
 from traincore.profiling import ProfilerWindow
@@ -140,17 +148,28 @@ def ensure_writable_dir(path: str | Path, what: str, option: str) -> Path:
     return path
 
 
+OWN_MODELS = ("small_cnn", "mlp")
+"""The models traincore.models defines itself (they take model.width); the others come from torchvision."""
+
+
 def check_model_input(model: ModelConfig, num_classes: int, shape: tuple[int, ...] | list[int], data: str,
                       batch_size: int = 2) -> None:
     """ValueError unless ``model`` builds for ``shape`` (C, H, W) samples, trains on batches of
-    ``batch_size`` and maps them to ``num_classes`` logits. Runs on the meta device: no weights are
-    allocated and nothing is computed."""
+    ``batch_size`` and maps them to ``num_classes`` logits.
+
+    Our own models run a forward on CPU zeros without gradients, in training mode on min(batch_size, 2)
+    samples (BatchNorm needs > 1 value per channel: a batch of 1 whose feature map shrinks to 1x1 fails)
+    and in eval mode: milliseconds. On the meta device the first op with a Python meta kernel imports
+    sympy (over a second), which a run that fails here, or a launcher that only checks, need not pay.
+    The torchvision models run on the meta device: building their tens of millions of real weights
+    takes seconds, and importing torchvision has already paid for sympy.
+    """
     shape = tuple(shape)
     try:
-        with torch.device("meta"):
+        with torch.device("cpu" if model.name in OWN_MODELS else "meta"), torch.no_grad():
             built = build_model(model, num_classes, shape)
-            built.train()(torch.empty(batch_size, *shape))  # BatchNorm needs > 1 value per channel
-            logits = built.eval()(torch.empty(2, *shape))
+            built.train()(torch.zeros(min(batch_size, 2), *shape))
+            logits = built.eval()(torch.zeros(2, *shape))
     except (RuntimeError, ValueError) as exc:
         reason = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         raise ValueError(f"model.name={model.name!r} cannot take {data}: samples of shape {shape} in "
@@ -192,7 +211,7 @@ def check_resume(cfg: Config, manifest: Manifest, root: Path, data_dir: str | Pa
             pickle.UnpicklingError):  # damaged files: the checkpointer verifies them and falls back
         return
     ours = {"name": cfg.model.name}
-    if cfg.model.name in ("small_cnn", "mlp"):  # the torchvision models ignore width
+    if cfg.model.name in OWN_MODELS:
         ours["width"] = cfg.model.width
     theirs = {key: saved_model.get(key) for key in ours}
     if saved_model and theirs != ours:
@@ -211,18 +230,29 @@ class Trainer:
 
     ``started_at`` (epoch seconds, e.g. :func:`~traincore.startup.process_start_time`) is where the start-up
     figures begin: what ran before the Trainer was built counts as "imports". None: they begin now.
+
+    A worker of a launcher that ran :func:`preflight` once for all its workers (``--nproc-per-node``)
+    passes the ``manifest`` preflight returned, which skips preflight here, and the launcher's
+    ``startup`` clock (:meth:`~traincore.startup.StartupClock.state_dict`), which it continues in place
+    of ``started_at``: the time up to this Trainer counts as "launch".
     """
 
     def __init__(self, cfg: Config, data_dir: str | Path, output_dir: str | Path,
-                 checkpoint_dir: str | Path | None = None, started_at: float | None = None):
+                 checkpoint_dir: str | Path | None = None, started_at: float | None = None, *,
+                 manifest: Manifest | None = None, startup: dict | None = None):
         self.startup = StartupClock(started_at)
-        if started_at is not None:
+        if startup is not None:
+            self.startup.load_state_dict(startup)
+            self.startup.mark("launch")
+        elif started_at is not None:
             self.startup.mark("imports")
         self.cfg, self.data_dir, self.output = cfg, Path(data_dir), Path(output_dir)
         self.checkpoint_root = Path(checkpoint_dir) if checkpoint_dir else self.output / "checkpoints"
-        self.manifest = preflight(cfg, data_dir, self.output, self.checkpoint_root)
         self.progress = Progress()
-        self.startup.mark("preflight")
+        self.manifest = manifest
+        if manifest is None:
+            self.manifest = preflight(cfg, data_dir, self.output, self.checkpoint_root)
+            self.startup.mark("preflight")
 
     def train(self) -> TrainSummary:
         """Set up, resume, run the steps, validate, summarise."""
@@ -286,11 +316,15 @@ class Trainer:
 
     def workload(self) -> Workload:
         """Steps, batch and FLOPs for telemetry; MFU is measured against the dtype the run computes in."""
-        bf16 = self.ctx.device.type == "cuda" and self.cfg.train.bf16
-        # Counted on meta tensors: no copy of the model, its weights untouched.
-        flops = training_flops_per_sample(unwrap_model(self.model), self.manifest.shape)
+        dtype = torch.bfloat16 if self.ctx.device.type == "cuda" and self.cfg.train.bf16 else torch.float32
+        flops = None
+        # Counted only where MFU is reported (rank 0, a device of known peak, e.g. not a CPU): a forward
+        # under FlopCounterMode is start-up time (0.1 s for the digits model here). On meta tensors: the
+        # weights are untouched.
+        if self.ctx.is_main and peak_flops(self.ctx.device, dtype):
+            flops = training_flops_per_sample(unwrap_model(self.model), self.manifest.shape)
         return Workload(total_steps=self.total_steps, global_batch_size=self.loader.global_batch_size,
-                        flops_per_sample=flops, dtype=torch.bfloat16 if bf16 else torch.float32)
+                        flops_per_sample=flops, dtype=dtype)
 
     def register_state(self) -> None:
         """Everything a resume restores, in one registry; the checkpointer never looks inside it."""
@@ -362,7 +396,7 @@ class Trainer:
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     """The CLI's flags."""
-    parser = argparse.ArgumentParser(prog="torchrun -m traincore.train", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="python -m traincore.train", description=__doc__.splitlines()[0])
     parser.add_argument("--data", required=True, help="staged dataset directory (python -m traincore.stage)")
     parser.add_argument("--output", required=True,
                         help="run directory: checkpoints, TensorBoard, metrics.jsonl")
@@ -377,7 +411,23 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--checkpoint-dir", help="checkpoint root (default <output>/checkpoints)")
     parser.add_argument("--resume", help="'latest' (default), 'none' or a step number")
     parser.add_argument("--seed", type=int, help="training seed (model init and data order)")
+    parser.add_argument("--nproc-per-node", type=int,
+                        help="train in N local workers forked from this process (not under torchrun)")
+    parser.add_argument("--max-restarts", type=int,
+                        help="with --nproc-per-node: restart the workers up to N times after a failure")
     return parser.parse_args(argv)
+
+
+def check_launch_flags(args: argparse.Namespace) -> None:
+    """ConfigError for --nproc-per-node / --max-restarts out of range, or given to a torchrun worker."""
+    for option, value, least in (("--nproc-per-node", args.nproc_per_node, 1),
+                                 ("--max-restarts", args.max_restarts, 0)):
+        if value is not None:
+            refuse_under_torchrun(option)
+            if value < least:
+                raise ConfigError(f"{option}={value} is invalid: it must be >= {least}")
+    if args.max_restarts and args.nproc_per_node is None:
+        raise ConfigError("--max-restarts restarts the workers of --nproc-per-node: add --nproc-per-node N")
 
 
 _FLAGS = {"train.max_steps": "--max-steps", "train.epochs": "--epochs",
@@ -456,16 +506,55 @@ def _report(exc: BaseException, rank: int) -> None:
     print(f"error: {exc}" if rank == 0 else f"error (rank {rank}): {exc}", file=sys.stderr, flush=True)
 
 
+def train_worker(cfg: Config, data_dir: str, output_dir: str, checkpoint_dir: str | None, manifest: Manifest,
+                 startup: dict) -> TrainSummary:
+    """One worker of ``--nproc-per-node``: trains on what the launcher checked. Bad input found only now
+    exits 2 after one ``error:`` line, as a torchrun worker running the CLI does."""
+    if int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")):
+        # A restarted worker reports its own start-up, from its fork, as a resumed torchrun worker does.
+        startup = StartupClock(process_start_time()).state_dict()
+    try:
+        return Trainer(cfg, data_dir, output_dir, checkpoint_dir, manifest=manifest, startup=startup).train()
+    except USAGE_ERRORS as exc:
+        _report(exc, _launch_rank())
+        sys.exit(2)
+
+
+def train_local_workers(cfg: Config, args: argparse.Namespace, started_at: float) -> TrainSummary:
+    """Check the run once here, then train in ``--nproc-per-node`` forked workers; rank 0's summary."""
+    startup = StartupClock(started_at)
+    startup.mark("imports")
+    manifest = preflight(cfg, args.data, args.output, args.checkpoint_dir)
+    startup.mark("preflight")
+    if start_method() == "fork":
+        # torch.optim's constructors import torch._dynamo (add_param_group is wrapped in
+        # torch._disable_dynamo): about 2 s, paid here once for every forked worker instead of in each.
+        importlib.import_module("torch._dynamo")
+        startup.mark("shared imports")
+    results = launch_local(train_worker, (cfg, args.data, args.output, args.checkpoint_dir, manifest,
+                                          startup.state_dict()), args.nproc_per_node, args.max_restarts or 0)
+    return results[0]
+
+
 def main(argv: list[str] | None = None) -> int:
     """CLI: exit code 2 and one ``error:`` line for bad input, found before any process group starts where
-    possible; no traceback. Under torchrun, the line is printed once (see :func:`_report`)."""
+    possible; no traceback. Under torchrun, the line is printed once (see :func:`_report`). A failed
+    worker of ``--nproc-per-node`` is reported as torchrun reports it, with its exit code."""
     args = parse_args(argv)
+    started_at = process_start_time()
     try:
-        summary = Trainer(build_config(args), args.data, args.output, args.checkpoint_dir,
-                          started_at=process_start_time()).train()
+        check_launch_flags(args)
+        cfg = build_config(args)
+        if (args.nproc_per_node or 1) == 1 and not args.max_restarts:  # nothing to launch: train here
+            summary = Trainer(cfg, args.data, args.output, args.checkpoint_dir, started_at=started_at).train()
+        else:
+            summary = train_local_workers(cfg, args, started_at)
     except USAGE_ERRORS as exc:
         _report(exc, _launch_rank())
         return 2
+    except ChildFailedError as exc:
+        print(exc, file=sys.stderr, flush=True)
+        return max(exc.get_first_failure()[1].exitcode, 1)
     if _launch_rank() == 0:
         print(format_summary(summary), flush=True)
     return 0

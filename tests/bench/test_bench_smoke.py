@@ -12,6 +12,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[2]
 
 
@@ -41,7 +43,14 @@ def test_runner_writes_loader_and_end_to_end_tables(tmp_path):
         assert row["saves"] == 2 and row["stall_per_save_s"] > 0, row
         assert 0 < row["first_step_s"] <= row["to_n_steps_s"] <= row["command_s"], row
         assert row["peak_rss_gib"] > 0.1, row
-    assert set(by_name["end_to_end"]["ratios"]) == {"vit_tiny naive/torchrun", "vit_tiny pyflyte/torchrun"}
+        assert row["timed"], row  # every row says what its command does in the time measured
+    assert set(by_name["end_to_end"]["ratios"]) == {"vit_tiny naive/torchrun", "vit_tiny pyflyte/torchrun",
+                                                    "vit_tiny pyflyte/torchrun to N steps"}
+    pyflyte = next(row for row in rows if row["variant"] == "pyflyte")
+    torchrun = next(row for row in rows if row["variant"] == "torchrun")
+    # The pyflyte ratio is of the whole commands: the workflow (export and evaluation included) over torchrun.
+    assert by_name["end_to_end"]["ratios"]["vit_tiny pyflyte/torchrun"] == pytest.approx(
+        pyflyte["command_s"] / torchrun["command_s"])
     table = (results / "latest.md").read_text()
     assert "### end_to_end" in table and "| vit_tiny | pyflyte |" in table
     assert "| vit_tiny naive/torchrun |" in table and ">= 3" in table

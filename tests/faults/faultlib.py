@@ -156,8 +156,12 @@ def flyte_output(task, attempt_dir: Path):
 
 
 def spawned_workers(pid: int) -> list[int]:
-    """The processes multiprocessing spawned directly below ``pid``: torch-elastic's workers under
-    start_method="spawn" (its resource tracker and the workers' own children are left out)."""
+    """torch-elastic's workers directly below ``pid``: spawned (``spawn_main`` in their command line) or
+    forked (``pid``'s own command line); its resource tracker and the workers' own children are left out."""
+    try:
+        own = Path(f"/proc/{pid}/cmdline").read_bytes()
+    except OSError:
+        return []
     workers = []
     for proc in Path("/proc").glob("[0-9]*"):
         try:
@@ -165,7 +169,7 @@ def spawned_workers(pid: int) -> list[int]:
             command = (proc / "cmdline").read_bytes()
         except (OSError, IndexError, ValueError):
             continue
-        if parent == pid and b"spawn_main" in command:
+        if parent == pid and (b"spawn_main" in command or command == own):
             workers.append(int(proc.name))
     return sorted(workers)
 

@@ -85,6 +85,8 @@ def test_one_task_per_topology_with_matching_elastic_config():
     assert (task.min_nodes, task.max_nodes, task.task_config.nproc_per_node) == (3, 3, 4)
     assert task.task_config.rdzv_configs == {"timeout": 1200, "join_timeout": 1200, "read_timeout": 1200}
     assert not task.task_config.increase_shared_mem and task.shared_memory is True
+    # GPUs: spawned workers (a CUDA context does not survive a fork); CPU only: forked ones.
+    assert task.task_config.start_method == "spawn" and train_task.task_config.start_method == "fork"
     assert task.name == "tasks.train.train-kubernetes-3x4-gpu4-rdzv1200s"
     assert train_task.name == "tasks.train.train-local-1x2"
     online = preset("digits").with_overrides({"telemetry.wandb_mode": "online"})
@@ -201,3 +203,25 @@ def test_one_process_trains_in_the_task_process_and_more_launch_workers(monkeypa
     # Several processes, or restarts (which need torch elastic's agent), still launch workers.
     assert not train_task_for(Topology(nproc_per_node=2), config).single_process
     assert not train_task_for(Topology(nproc_per_node=1, max_restarts=1), config).single_process
+
+
+def test_cpu_workers_are_forked_from_the_task_process(monkeypatch, dataset, tmp_path):
+    seen = tmp_path / "workers.jsonl"
+
+    class Recording(train_module.Trainer):
+        """The real Trainer, noting the worker it runs in: only a forked worker sees this class."""
+
+        def train(self):
+            with seen.open("a") as out:
+                out.write(json.dumps({"pid": os.getpid(), "parent": os.getppid(),
+                                      "rank": int(os.environ["RANK"])}) + "\n")
+            return super().train()
+
+    monkeypatch.setattr(train_module, "Trainer", Recording)
+    config = preset("debug").with_overrides({"train": {"max_steps": 2}, "telemetry": {"tensorboard": False}})
+    two = train_task_for(Topology(nproc_per_node=2), config)
+    result = two(config=config, dataset=dataset, checkpoint_root=str(tmp_path / "checkpoints"))
+    workers = [json.loads(line) for line in seen.read_text().splitlines()]
+    assert sorted(w["rank"] for w in workers) == [0, 1]
+    assert all(w["parent"] == os.getpid() != w["pid"] for w in workers)  # the agent runs in this process
+    assert result.summary.steps == 2 and result.summary.world_size == 2

@@ -53,11 +53,37 @@ def test_phases_add_up_to_the_total_and_read_as_one_line():
     assert "process group 0.0" in line
 
 
+def test_a_clock_handed_to_a_worker_continues_from_the_launchers_last_mark():
+    launcher = StartupClock(origin=time.time() - 1.0)
+    launcher.mark("imports")
+    state = launcher.state_dict()
+    time.sleep(0.05)
+    worker = StartupClock()  # built later, elsewhere: its own origin is replaced by the launcher's
+    worker.load_state_dict(state)
+    worker.mark("launch")
+    assert list(worker.phases) == ["imports", "launch"] and worker.origin == launcher.origin
+    assert worker.phases["imports"] == launcher.phases["imports"] and worker.phases["launch"] >= 0.05
+    assert worker.total == pytest.approx(sum(worker.phases.values()), abs=1e-6)
+    assert launcher.phases == {"imports": state["phases"]["imports"]}  # the launcher's own clock is untouched
+
+
 def test_import_of_the_trainer_loads_no_heavy_optional_module():
     code = (f"import json, sys\nimport traincore.train\n"
             f"print(json.dumps([m for m in {HEAVY!r} if m in sys.modules]))")
     loaded = json.loads(run_python(code))
     assert loaded == []
+
+
+def test_preflight_of_our_own_model_does_not_import_sympy(synthetic_dir, tmp_path):
+    # A forward on the meta device would (over a second): the launcher of forked workers only checks.
+    code = f"""
+import json, sys
+from traincore.presets import debug
+from traincore.train import preflight
+preflight(debug(), {str(synthetic_dir)!r}, {str(tmp_path / "run")!r})
+print(json.dumps([m for m in ("sympy", "torch._dynamo") if m in sys.modules]))
+"""
+    assert json.loads(run_python(code)) == []
 
 
 @pytest.fixture(scope="module")
@@ -92,12 +118,6 @@ def test_a_sync_run_reports_its_start_up_phases(sync_run):
 
 def test_a_sync_run_without_tensorboard_loads_neither_tensorboard_nor_wandb_nor_torchvision(sync_run):
     assert [name for name in sync_run["loaded"] if name != "torch.distributed.checkpoint"] == []
-
-
-@pytest.mark.xfail(strict=True, reason="traincore.state names model and optimizer state with "
-                   "torch.distributed.checkpoint.state_dict, which loads the DCP package at the first save")
-def test_a_sync_run_never_loads_torch_distributed_checkpoint(sync_run):
-    assert "torch.distributed.checkpoint" not in sync_run["loaded"]
 
 
 def test_trainer_built_in_process_counts_from_its_construction(synthetic_dir, tmp_path):

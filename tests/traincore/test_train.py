@@ -16,10 +16,10 @@ import pytest
 import torch
 
 from traincore.checkpoint_files import complete_steps
-from traincore.config import DataConfig
+from traincore.config import DataConfig, ModelConfig
 from traincore.export import export
 from traincore.stage import stage
-from traincore.train import gc_paused
+from traincore.train import check_model_input, gc_paused
 
 TINY = {"model": {"name": "small_cnn", "width": 8}, "optim": {"lr": 3e-3, "warmup_steps": 2},
         "loader": {"batch_size": 8}, "telemetry": {"log_every": 2}}
@@ -155,6 +155,25 @@ def test_bad_config_is_rejected_before_any_process_group(data_dir, tmp_path, fla
     assert done.returncode == 2
     assert message in done.stderr
     assert not (tmp_path / "o").exists()
+
+
+@pytest.mark.parametrize("name", ["small_cnn", "resnet18"])
+def test_a_batch_of_one_is_refused_where_batch_norm_sees_one_value_per_channel(name):
+    # small_cnn pools 4x4 samples down to 1x1, resnet18 16x16 ones: BatchNorm then normalises over the batch
+    # alone. Our own models check on CPU zeros, torchvision's on the meta device; both must refuse.
+    model, size = ModelConfig(name=name, width=8), 4 if name == "small_cnn" else 16
+    check_model_input(model, 3, (1, size, size), "the data", batch_size=2)
+    with pytest.raises(ValueError, match=rf"model.name='{name}' cannot take the data: samples of shape "
+                       rf"\(1, {size}, {size}\) in batches of 1 \(Expected more than 1 value per channel"):
+        check_model_input(model, 3, (1, size, size), "the data", batch_size=1)
+
+
+def test_images_too_small_for_the_model_are_refused():
+    with pytest.raises(ValueError, match=r"model.name='small_cnn' cannot take 2x2 data: .*Output size is too "
+                       "small.*stage the data with a larger data.image_size"):
+        check_model_input(ModelConfig(name="small_cnn", width=8), 3, (1, 2, 2), "2x2 data")
+    # Trains on a batch of 1 without BatchNorm, whatever the image size.
+    check_model_input(ModelConfig(name="mlp", width=8), 3, (1, 2, 2), "2x2 data", batch_size=1)
 
 
 def test_missing_data_directory_is_a_clear_error(tmp_path):
