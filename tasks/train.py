@@ -164,9 +164,12 @@ class ElasticTrainTask(PytorchElasticFunctionTask):
 
 
 def worker_start_method(topology: Topology) -> str:
-    """"fork" without GPUs: the workers share the task process's imports (torch, flytekit, traincore:
-    seconds each) instead of importing them again; "spawn" with GPUs, as a CUDA context does not survive
-    a fork and the task's process has asked CUDA for its devices (preflight's backend check).
+    """"fork" on one node without GPUs: the workers share the task process's imports (torch, flytekit,
+    traincore: seconds each) instead of importing them again. "spawn" with GPUs, as a CUDA context does not
+    survive a fork and the task's process has asked CUDA for its devices (preflight's backend check); and
+    across nodes, where one pod's agent hosts the rendezvous store of all: forked workers inherit its
+    sockets, and the replayed two-pod PyTorchJob did not complete with them (tests/replay/
+    test_pod_restarts.py), while spawned workers are the path tested there.
 
     What a fork copies is safe here. At fork time the task process runs, besides its main thread: the
     checkpoint mirror's upload thread and fsspec's I/O thread for an object-store root (tasks.mirror; the
@@ -177,7 +180,7 @@ def worker_start_method(topology: Topology) -> str:
     locks a worker takes are re-initialised after a fork: logging's handlers' (os.register_at_fork, since
     Python 3.7) and fsspec's event loop, lock and instance cache (fsspec.asyn and fsspec.spec reset them).
     """
-    return "spawn" if topology.gpus_per_node else "fork"
+    return "fork" if topology.nnodes == 1 and not topology.gpus_per_node else "spawn"
 
 
 def restart_environment(topology: Topology) -> dict[str, str]:

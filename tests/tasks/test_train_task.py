@@ -85,8 +85,11 @@ def test_one_task_per_topology_with_matching_elastic_config():
     assert (task.min_nodes, task.max_nodes, task.task_config.nproc_per_node) == (3, 3, 4)
     assert task.task_config.rdzv_configs == {"timeout": 1200, "join_timeout": 1200, "read_timeout": 1200}
     assert not task.task_config.increase_shared_mem and task.shared_memory is True
-    # GPUs: spawned workers (a CUDA context does not survive a fork); CPU only: forked ones.
+    # GPUs or several nodes: spawned workers (tasks.train.worker_start_method says why); one CPU node:
+    # forked ones.
     assert task.task_config.start_method == "spawn" and train_task.task_config.start_method == "fork"
+    cpu_nodes = train_task_for(Topology(backend="kubernetes", nnodes=2, nproc_per_node=2), preset("digits"))
+    assert cpu_nodes.task_config.start_method == "spawn"
     assert task.name == "tasks.train.train-kubernetes-3x4-gpu4-rdzv1200s"
     assert train_task.name == "tasks.train.train-local-1x2"
     online = preset("digits").with_overrides({"telemetry.wandb_mode": "online"})
