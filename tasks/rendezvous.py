@@ -21,8 +21,9 @@ from torch.distributed.elastic.rendezvous.c10d_rendezvous_backend import DEFAULT
 from torch.distributed.elastic.rendezvous.utils import parse_rendezvous_endpoint
 
 # Bounds each step of the probe (TCP connect, store handshake, read): long enough for a live store across a
-# cluster network, short enough that a failed task still fails promptly.
-PROBE_TIMEOUT_S = 3
+# cluster network or on a node whose cores are all busy (3 s proved too short on a loaded 2-core machine),
+# short enough that a failed task still fails promptly (a refused connection returns at once).
+PROBE_TIMEOUT_S = 10
 
 
 class RendezvousStateUnpickler(pickle.Unpickler):
