@@ -21,9 +21,9 @@ from torch.distributed.elastic.rendezvous.c10d_rendezvous_backend import DEFAULT
 from torch.distributed.elastic.rendezvous.utils import parse_rendezvous_endpoint
 
 # Bounds each step of the probe (TCP connect, store handshake, read): long enough for a live store across a
-# cluster network or on a node whose cores are all busy (3 s proved too short on a loaded 2-core machine),
-# short enough that a failed task still fails promptly (a refused connection returns at once).
-PROBE_TIMEOUT_S = 10
+# cluster network or on a node whose cores are all busy, short enough that a failed task still fails
+# promptly (a refused connection returns at once).
+PROBE_TIMEOUT_S = 5
 
 
 class RendezvousStateUnpickler(pickle.Unpickler):
@@ -60,6 +60,11 @@ def arrived_nodes(store: TCPStore, run_id: str) -> int | None:
     return len(others) + 1
 
 
+def first_line(exc: BaseException) -> str:
+    """``Type: message`` cut at its first line: torch's store errors append multi-line C++ traces."""
+    return f"{type(exc).__name__}: {str(exc).strip().splitlines()[0] if str(exc).strip() else '(no message)'}"
+
+
 def arrivals(endpoint: str, run_id: str, min_nodes: int, max_nodes: int) -> str:
     """``N of M nodes had arrived``, or why that cannot be known: best effort, a few PROBE_TIMEOUT_S at
     most, and never an exception (it only words the error the task raises anyway)."""
@@ -74,9 +79,9 @@ def arrivals(endpoint: str, run_id: str, min_nodes: int, max_nodes: int) -> str:
         # A client only: the probe must never start a store of its own.
         store = TCPStore(host, port, is_master=False, timeout=timedelta(seconds=PROBE_TIMEOUT_S),
                          wait_for_workers=False)
-    except Exception:  # DistNetworkError, DistStoreError, TimeoutError, a name that does not resolve...
-        return (f"the rendezvous store at {host}:{port} could not be reached: the first node never came up, "
-                f"or the address/port is wrong")
+    except Exception as exc:  # DistNetworkError, DistStoreError, TimeoutError, a name that cannot resolve
+        return (f"the rendezvous store at {host}:{port} could not be reached ({first_line(exc)}): "
+                f"the first node never came up, or the address/port is wrong")
     try:
         arrived = arrived_nodes(store, run_id)
     except Exception as exc:  # a store that answers but holds no state this torch can read

@@ -41,8 +41,9 @@ OTHER_NODE = textwrap.dedent("""
     from torch.distributed.elastic.rendezvous.registry import get_rendezvous_handler
     params = RendezvousParameters(backend="c10d", endpoint=sys.argv[1], run_id=sys.argv[2],
                                   min_nodes=int(sys.argv[3]), max_nodes=int(sys.argv[3]), join_timeout=120)
+    handler = get_rendezvous_handler(params)  # held: it owns the store, which outlives a closed rendezvous
     try:
-        get_rendezvous_handler(params).next_rendezvous()
+        handler.next_rendezvous()
     except Exception as exc:
         print(type(exc).__name__, exc, flush=True)
     time.sleep(120)
@@ -91,8 +92,8 @@ def test_unreachable_store_is_named_instead_of_a_count(monkeypatch, endpoint, da
     assert message.startswith(
         "rendezvous failed: RendezvousConnectionError (no message), caused by TimeoutError: client socket")
     assert f"c10d rendezvous '{RUN_ID}' at {endpoint} waited up to {TIMEOUT_S} s for 2 nodes" in message
-    assert message.endswith(f"the rendezvous store at {endpoint} could not be reached: the first node never "
-                            f"came up, or the address/port is wrong")
+    assert f"the rendezvous store at {endpoint} could not be reached (" in message
+    assert message.endswith("the first node never came up, or the address/port is wrong")
     assert "had arrived" not in message
 
 
