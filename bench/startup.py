@@ -26,14 +26,12 @@ import os
 import statistics
 import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a script from a source checkout
 
-from traincore.config import DataConfig  # noqa: E402
-from traincore.stage import stage  # noqa: E402
+from bench.tables import digits_and_scratch, write_results  # noqa: E402
 
 TARGET_RATIO = 1.5
 TRAIN = ["-m", "traincore.train", "--preset", "digits"]
@@ -92,12 +90,8 @@ def run_case(name: str, data: Path, max_steps: int, workdir: Path) -> dict:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    with tempfile.TemporaryDirectory(prefix="bench-startup-") as tmp:
-        data = Path(args.data) if args.data else Path(tmp) / "digits"
-        if not args.data:
-            stage(DataConfig(source="digits", image_size=32, channels=1), data)
-        rows = [run_case(name, data, args.max_steps, Path(tmp))
-                for _ in range(args.repeats) for name in CASES]
+    with digits_and_scratch(args.data, "bench-startup-") as (data, tmp):
+        rows = [run_case(name, data, args.max_steps, tmp) for _ in range(args.repeats) for name in CASES]
     medians = {name: statistics.median(r["to_first_step_s"] for r in rows if r["case"] == name)
                for name in CASES}
     baseline = medians["import torch"]
@@ -113,9 +107,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{name:<{width}}{medians[name]:>14.2f}{launcher:>12}  {phases}")
     for name, ratio in ratios.items():
         print(f"{name}: {ratio:.2f}x import torch (target <= {TARGET_RATIO}x)")
-    if args.json:
-        Path(args.json).write_text(json.dumps({"benchmark": "startup", "results": rows, "ratios": ratios},
-                                              indent=2) + "\n")
+    write_results(args.json, "startup", rows, ratios)
     return 0
 
 

@@ -1,7 +1,13 @@
-"""Markdown tables of benchmark rows: shared by the benchmarks that print them and bench/run.py."""
+"""What the benchmarks share: markdown tables of their rows (also bench/run.py's), the digits data they
+stage, and the JSON file each writes for bench/run.py."""
 
 from __future__ import annotations
 
+import json
+import tempfile
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
 from typing import Any
 
 
@@ -26,3 +32,24 @@ def markdown_table(rows: list[dict[str, Any]]) -> str:
     lines = ["| " + " | ".join(columns) + " |", "|" + "|".join("---" for _ in columns) + "|"]
     lines += ["| " + " | ".join(cell(row.get(key)) for key in columns) + " |" for row in rows]
     return "\n".join(lines)
+
+
+@contextmanager
+def digits_and_scratch(data: str | None, prefix: str) -> Iterator[tuple[Path, Path]]:
+    """(staged digits directory, scratch directory): ``data`` when given, else digits staged into the
+    scratch directory, which is removed afterwards."""
+    from traincore.config import DataConfig  # here: bench/run.py imports this module without torch
+    from traincore.stage import stage
+
+    with tempfile.TemporaryDirectory(prefix=prefix) as tmp:
+        staged = Path(data) if data else Path(tmp) / "digits"
+        if not data:
+            stage(DataConfig(source="digits", image_size=32, channels=1), staged)
+        yield staged, Path(tmp)
+
+
+def write_results(path: str | None, benchmark: str, rows: list[dict], ratios: dict[str, float]) -> None:
+    """The JSON bench/run.py collects (``{"benchmark", "results", "ratios"}``), when ``path`` is given."""
+    if path:
+        Path(path).write_text(json.dumps({"benchmark": benchmark, "results": rows, "ratios": ratios},
+                                         indent=2) + "\n")

@@ -68,10 +68,10 @@ def train_step(model: nn.Module, optimizer: torch.optim.Optimizer, scheduler, ba
     del logits  # frees the activations' last reference before backward allocates gradients
     loss.backward()
     # The gradient norm is global after DDP's all-reduce, so every rank takes the same decision here.
-    grad_norm = nn.utils.clip_grad_norm_(model.parameters(), cfg.optim.grad_clip or float("inf"))
-    if not torch.isfinite(grad_norm):
+    grad_norm = nn.utils.clip_grad_norm_(model.parameters(), cfg.optim.grad_clip or float("inf")).item()
+    if not math.isfinite(grad_norm):  # .item(): a host read, cheaper than an isfinite op and its read
         raise NonFiniteLossError(f"non-finite loss or gradients at step {scheduler.last_epoch + 1} (loss "
-                                 f"{loss.item():.4g}, gradient norm {grad_norm.item():.4g}): lower optim.lr "
+                                 f"{loss.item():.4g}, gradient norm {grad_norm:.4g}): lower optim.lr "
                                  "or set optim.grad_clip")
     if before_update is not None:
         before_update()
