@@ -4,6 +4,9 @@
 
 Rows, each run ``--repeats`` times, interleaved so that load on the machine hits every row alike:
   import torch             ``python -c "import torch"``: the baseline, the whole process's wall time
+  bare PyTorch script      ``python -c`` a script that imports torch, builds a linear model and AdamW and
+                           takes one step: what any PyTorch training pays (torch.optim's constructors
+                           import torch._dynamo), for reference
   1 process                ``python -m traincore.train --preset digits``
   2 processes              ``python -m traincore.train --nproc-per-node 2 --preset digits``: workers forked
                            from the command's process, which checked the run once
@@ -35,13 +38,19 @@ from bench.tables import digits_and_scratch, write_results  # noqa: E402
 
 TARGET_RATIO = 1.5
 TRAIN = ["-m", "traincore.train", "--preset", "digits"]
+# Prints the epoch time its first step ended at: the whole first-step time of a minimal training script.
+BARE_SCRIPT = ("import time, torch; model = torch.nn.Linear(1024, 10); "
+               "optimizer = torch.optim.AdamW(model.parameters()); "
+               "model(torch.zeros(32, 1024)).sum().backward(); optimizer.step(); print(time.time())")
 CASES = {
     "import torch": [sys.executable, "-c", "import torch"],
+    "bare PyTorch script": [sys.executable, "-c", BARE_SCRIPT],
     "1 process": [sys.executable, *TRAIN],
     "2 processes": [sys.executable, *TRAIN, "--nproc-per-node", "2"],
     "2 processes (torchrun)": [sys.executable, "-m", "torch.distributed.run", "--standalone",
                                "--nproc-per-node=2", *TRAIN],
 }
+BASELINES = ("import torch", "bare PyTorch script")  # rows that are not our training runs
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -70,7 +79,7 @@ def run_case(name: str, data: Path, max_steps: int, workdir: Path) -> dict:
     """Run one row once; its wall time and, for training rows, the first step's time and phases."""
     command = list(CASES[name])
     output = workdir / f"{name.replace(' ', '-')}-{time.monotonic_ns()}"
-    if name != "import torch":
+    if name not in BASELINES:
         command += ["--data", str(data), "--output", str(output), "--max-steps", str(max_steps),
                     "--resume", "none", "--config", '{"telemetry": {"progress": "off"}}']
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
@@ -82,6 +91,8 @@ def run_case(name: str, data: Path, max_steps: int, workdir: Path) -> dict:
     row = {"case": name, "wall_s": round(wall, 3)}
     if name == "import torch":
         return {**row, "to_first_step_s": round(wall, 3)}
+    if name == "bare PyTorch script":
+        return {**row, "to_first_step_s": round(float(done.stdout.split()[-1]) - started, 3)}
     record = startup_record(output / "metrics.jsonl")
     phases = {key: value for key, value in record.items() if key.endswith("_s") and key != "total_s"}
     return {**row, "to_first_step_s": round(record["origin"] + record["total_s"] - started, 3),

@@ -28,8 +28,8 @@ from tasks.types import SlurmSettings, Topology
 from traincore.config import Config, ConfigError, DataConfig, parse_source
 from traincore.data import StagingError
 from traincore.fingerprint import source_fingerprint
+from traincore.preflight import OutputError, check_model_input, ensure_writable_dir
 from traincore.presets import preset
-from traincore.train import OutputError, check_model_input, ensure_writable_dir
 
 
 class LaunchInputError(ValueError):

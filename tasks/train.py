@@ -33,8 +33,9 @@ from tasks.storage import is_uri, local_directory
 from tasks.types import StagedDataset, Topology, TrainResult
 from traincore.config import Config
 from traincore.launch import settle_worker, worker_threads
+from traincore.preflight import preflight
 from traincore.startup import process_start_time
-from traincore.train import Trainer, format_summary, preflight
+from traincore.train import Trainer, format_summary
 
 WANDB_SECRET = Secret(group="wandb", key="api_key", mount_requirement=Secret.MountType.FILE)
 CPU_PER_PROCESS, MEM_GIB_PER_PROCESS = 2, 6

@@ -321,10 +321,6 @@ class TelemetryConfig:
     """Steps between metric intervals; each costs one all-reduce and one device sync."""
     tensorboard: bool = True
     """Also write metrics as TensorBoard events under ``<output>/tensorboard``."""
-    tb_max_queue: int = 100
-    """Events TensorBoard's writer buffers before writing them to disk."""
-    tb_flush_secs: int = 30
-    """Seconds between TensorBoard flushes to disk."""
     wandb_mode: str = "disabled"
     """Weights & Biases: ``disabled``, ``offline`` (local files only) or ``online``."""
     wandb_project: str = "flyte-torch-pipeline"
@@ -336,7 +332,7 @@ class TelemetryConfig:
 
     def __post_init__(self) -> None:
         _check_types(self, "telemetry")
-        _ints(self, "telemetry", log_every=1, tb_max_queue=1, tb_flush_secs=1)
+        _ints(self, "telemetry", log_every=1)
         _one_of("telemetry.wandb_mode", self.wandb_mode, WANDB_MODES)
         _one_of("telemetry.progress", self.progress, ("auto", "on", "off"))
         _one_of("telemetry.level", self.level, ("DEBUG", "INFO", "WARNING", "ERROR"))

@@ -78,64 +78,65 @@ class JsonlSink:
 class TensorBoardSink:
     """``<output>/tensorboard`` event files; scalars under ``train/...`` and ``eval/...``.
 
-    One event per ``log`` holds all its scalars (in TensorBoard's tensor-summary "scalars" format, as
-    ``SummaryWriter.add_scalar(new_style=True)`` writes them): tensorboard checksums every record in pure
-    Python, and one record per interval instead of one per scalar keeps a small model's step within a few
+    One event per ``log`` holds all its scalars, in TensorBoard's tensor-summary "scalars" format (as
+    ``SummaryWriter.add_scalar(new_style=True)`` writes them), through :class:`~traincore.tfevents.EventFile`:
+    one checksummed record per interval instead of one per scalar keeps a small model's step within a few
     percent of a bare loop's (bench/step.py).
 
     The event file opens at the first ``log``, so that a resume can still set the purge step: the file then
-    starts with a session-start event at that step, and TensorBoard discards the events of that step and
-    later ones that came before it (the killed attempt's), in every earlier event file of the directory.
-    TensorBoard reads the first session start of a directory as the beginning and only later ones as
-    restarts, so a fresh run opens with one too (``resumed_at(0)``: purge step 1).
+    starts with a session-start event at that step (the two events ``SummaryWriter(purge_step=S)`` writes),
+    and TensorBoard discards the events of that step and later ones that came before it (the killed
+    attempt's), in every earlier event file of the directory. TensorBoard reads the first session start of
+    a directory as the beginning and only later ones as restarts, so a fresh run opens with one too
+    (``resumed_at(0)``: purge step 1).
     """
 
-    def __init__(self, output_dir: str | Path, cfg: TelemetryConfig) -> None:
+    def __init__(self, output_dir: str | Path) -> None:
         # Imported here: a missing package fails before training, and runs without TensorBoard never pay it.
         from tensorboard.compat.proto import event_pb2, summary_pb2, tensor_pb2
-        from tensorboard.summary.writer.event_file_writer import EventFileWriter
+
+        from traincore.tfevents import EventFile
 
         self._protos = event_pb2, summary_pb2, tensor_pb2
-        self._file_writer_class, self._cfg = EventFileWriter, cfg
+        self._event_file_class = EventFile
         self._scalar = summary_pb2.SummaryMetadata(
             plugin_data=summary_pb2.SummaryMetadata.PluginData(plugin_name="scalars"))
         self.directory = Path(output_dir) / "tensorboard"
-        self._writer = None
+        self._file = None
         self._purge_step: int | None = None
 
     def log(self, step: int, metrics: dict[str, float], kind: str = "train") -> None:
         """Queue one event with a scalar per metric."""
         event_pb2, summary_pb2, tensor_pb2 = self._protos
-        if self._writer is None:
-            self._writer = self._open()
+        if self._file is None:
+            self._file = self._open()
         values = [summary_pb2.Summary.Value(
             tag=f"{kind}/{name}", metadata=self._scalar,
             tensor=tensor_pb2.TensorProto(float_val=[float(value)], dtype="DT_FLOAT"))
             for name, value in metrics.items()]
-        self._writer.add_event(event_pb2.Event(wall_time=time.time(), step=step,
-                                               summary=summary_pb2.Summary(value=values)))
+        summary = summary_pb2.Summary(value=values)
+        self._file.add(event_pb2.Event(wall_time=time.time(), step=step, summary=summary))
 
     def _open(self):
-        writer = self._file_writer_class(str(self.directory), max_queue_size=self._cfg.tb_max_queue,
-                                         flush_secs=self._cfg.tb_flush_secs)
-        if self._purge_step is not None:  # the two events SummaryWriter(purge_step=S) writes
-            event_pb2 = self._protos[0]
-            writer.add_event(event_pb2.Event(step=self._purge_step, file_version="brain.Event:2"))
-            writer.add_event(event_pb2.Event(step=self._purge_step, session_log=event_pb2.SessionLog(
-                status=event_pb2.SessionLog.START)))
-        return writer
+        event_pb2 = self._protos[0]
+        events = self._event_file_class(self.directory)
+        if self._purge_step is not None:
+            events.add(event_pb2.Event(step=self._purge_step, file_version="brain.Event:2"))
+            events.add(event_pb2.Event(step=self._purge_step,
+                                       session_log=event_pb2.SessionLog(status=event_pb2.SessionLog.START)))
+        return events
 
     def resumed_at(self, step: int) -> None:
         """Hide the events of steps after ``step``: the next event file opens with purge step ``step + 1``."""
         self._purge_step = step + 1
-        if self._writer is not None:  # something was logged before the resume: start a new event file
-            self._writer.close()
-            self._writer = None
+        if self._file is not None:  # something was logged before the resume: start a new event file
+            self._file.close()
+            self._file = None
 
     def close(self) -> None:
-        """Flush and close the event file (idempotent)."""
-        if self._writer is not None:
-            self._writer.close()
+        """Close the event file (idempotent)."""
+        if self._file is not None:
+            self._file.close()
 
 
 def resolve_wandb_key(mode: str) -> str | None:
@@ -230,7 +231,7 @@ def build_sinks(cfg: TelemetryConfig, output_dir: str | Path, run_config: dict) 
     sinks: list[MetricSink] = [JsonlSink(output_dir)]
     try:
         if cfg.tensorboard:
-            sinks.append(TensorBoardSink(output_dir, cfg))
+            sinks.append(TensorBoardSink(output_dir))
         if cfg.wandb_mode != "disabled":
             sinks.append(WandbSink(output_dir, cfg, run_config))
     except BaseException:

@@ -1,7 +1,7 @@
 """Damaged staged data is refused before any worker starts, with an error naming the file and the fix.
 
 Every case damages a private copy of ``fault_data`` the way storage and copies do (truncation, a flipped
-bit, a bad label, a torn or hand-edited manifest) and checks ``traincore.train.preflight``, the path every
+bit, a bad label, a torn or hand-edited manifest) and checks ``traincore.preflight.preflight``, the path every
 run takes before its process group starts; two cases run the train CLI to show exit code 2 and no
 traceback. Image shards are hashed once per staging: the record and a hash counter show that a second
 open hashes nothing, and that a shard changed after verification is hashed again and refused.
@@ -28,8 +28,8 @@ from traincore.config import DataConfig
 from traincore.data import MANIFEST, VERIFIED, Manifest, StagingError, read_record
 from traincore.fingerprint import source_fingerprint
 from traincore.loader import StagedSplit
+from traincore.preflight import preflight
 from traincore.presets import preset
-from traincore.train import preflight
 
 CONFIG = preset("debug").with_overrides(TINY)
 HUGE_LABEL = 4611686018427387910  # the value a corrupted label showed mid-run before this check existed

@@ -14,7 +14,7 @@ from faultlib import TINY, child_env, kill_tree, metric_rows, run, torchrun, tra
 from traincore.checkpoint_files import complete_steps
 
 MAX_STEPS, EVERY = 60, 10
-CONFIG = {**TINY, "telemetry": {**TINY["telemetry"], "tensorboard": True, "tb_flush_secs": 1}}
+CONFIG = {**TINY, "telemetry": {**TINY["telemetry"], "tensorboard": True}}
 
 
 def logged_steps(output: Path) -> list[int]:

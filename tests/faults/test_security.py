@@ -123,7 +123,7 @@ def start_offline_run(data: Path, tmp: Path, given_by: str) -> tuple[str, subpro
         key_file.parent.mkdir(parents=True)
         key_file.write_text(key + "\n")
         env["WANDB_API_KEY_FILE"] = str(key_file)
-    config = {**TINY, "telemetry": {"log_every": 1, "tensorboard": True, "tb_flush_secs": 1,
+    config = {**TINY, "telemetry": {"log_every": 1, "tensorboard": True,
                                     "wandb_mode": "offline", "level": "DEBUG"}}
     train = ["--data", str(data), "--output", str(tmp / "run"), "--preset", "debug", "--config",
              json.dumps(config), "--max-steps", "4", "--checkpoint-every", "2"]

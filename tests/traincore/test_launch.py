@@ -44,7 +44,7 @@ def test_two_forked_workers_train_and_rank_0_reports_once(digits_dir, tmp_path):
     # preflight and the imports it shares with the workers, then the workers' own phases.
     [startup] = records(tmp_path / "run", "startup")
     phases = [key[:-2] for key in startup if key.endswith("_s") and key != "total_s"]
-    assert phases == ["imports", "preflight", "shared_imports", "launch", "process_group", "loader", "model",
+    assert phases == ["imports", "preflight", "dynamo_import", "launch", "process_group", "loader", "model",
                       "telemetry", "checkpoint_look-up", "first_step"]
     assert started - 1 < startup["origin"] < started + startup["imports_s"]
     assert done.stderr.count("to first step: imports") == 1, done.stderr[-3000:]

@@ -183,14 +183,13 @@ def tensorboard_points(directory: Path, tag: str) -> list[tuple[int, float]]:
 
 @pytest.mark.parametrize("resume", [True, False])
 def test_tensorboard_resume_purges_the_killed_attempts_later_steps(tmp_path, resume):
-    cfg = TelemetryConfig(tensorboard=True)
-    killed = TensorBoardSink(tmp_path, cfg)
+    killed = TensorBoardSink(tmp_path)
     killed.resumed_at(0)  # as the Trainer starts a fresh run (the first session start is no restart)
     for step in range(1, 8):  # a checkpoint at step 4, killed after step 7
         killed.log(step, {"loss": float(step)})
     killed.close()
     time.sleep(1.01 - time.time() % 1)  # event files sort by the second they are opened in
-    resumed = TensorBoardSink(tmp_path, cfg)
+    resumed = TensorBoardSink(tmp_path)
     if resume:
         resumed.resumed_at(4)
     for step in range(5, 9):
@@ -204,7 +203,7 @@ def test_tensorboard_resume_purges_the_killed_attempts_later_steps(tmp_path, res
 
 
 def test_tensorboard_opens_its_event_file_at_the_first_point(tmp_path):
-    sink = TensorBoardSink(tmp_path, TelemetryConfig(tensorboard=True))
+    sink = TensorBoardSink(tmp_path)
     sink.resumed_at(3)
     assert not (tmp_path / "tensorboard").exists()
     sink.log(4, {"loss": 1.0})

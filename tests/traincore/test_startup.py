@@ -79,7 +79,7 @@ def test_preflight_of_our_own_model_does_not_import_sympy(synthetic_dir, tmp_pat
     code = f"""
 import json, sys
 from traincore.presets import debug
-from traincore.train import preflight
+from traincore.preflight import preflight
 preflight(debug(), {str(synthetic_dir)!r}, {str(tmp_path / "run")!r})
 print(json.dumps([m for m in ("sympy", "torch._dynamo") if m in sys.modules]))
 """
@@ -105,8 +105,8 @@ print(json.dumps({{"startup": summary.startup_s, "loaded": [m for m in {HEAVY!r}
 
 
 def test_a_sync_run_reports_its_start_up_phases(sync_run):
-    phases = ["imports", "preflight", "process group", "loader", "model", "telemetry", "checkpoint look-up",
-              "first step"]
+    phases = ["imports", "preflight", "dynamo import", "process group", "loader", "model", "telemetry",
+              "checkpoint look-up", "first step"]
     assert list(sync_run["startup"]) == phases
     assert sync_run["startup"]["imports"] > 0.1  # at least the interpreter's start and `import torch`
     records = [json.loads(line) for line in (sync_run["output"] / "metrics.jsonl").read_text().splitlines()]

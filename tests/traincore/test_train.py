@@ -18,8 +18,9 @@ import torch
 from traincore.checkpoint_files import complete_steps
 from traincore.config import DataConfig, ModelConfig
 from traincore.export import export
+from traincore.preflight import check_model_input
 from traincore.stage import stage
-from traincore.train import check_model_input, gc_paused
+from traincore.train import gc_paused
 
 TINY = {"model": {"name": "small_cnn", "width": 8}, "optim": {"lr": 3e-3, "warmup_steps": 2},
         "loader": {"batch_size": 8}, "telemetry": {"log_every": 2}}

@@ -1,0 +1,158 @@
+"""Checks a run passes before any process group or worker starts: the config against the staged data,
+this machine and the model, the output and checkpoint locations, and the checkpoint a resume would load.
+
+Everything here fails with a message naming the problem and its fix, so nothing fails only once training
+has begun (in a worker, after the launcher's start-up).
+"""
+
+from __future__ import annotations
+
+import os
+import pickle
+import tempfile
+from pathlib import Path
+
+import torch
+
+from traincore.checkpoint_files import CheckpointError, complete_steps, read_marker, step_dir
+from traincore.checkpoint_format import open_saved
+from traincore.config import Config, ModelConfig
+from traincore.data import Manifest, verify_staging
+from traincore.dist import resolve_backend
+from traincore.models import build_model
+from traincore.sinks import resolve_wandb_key
+
+
+def preflight(cfg: Config, data_dir: str | Path, output_dir: str | Path | None = None,
+              checkpoint_dir: str | Path | None = None) -> Manifest:
+    """Check the config against the staged data before any process group starts; returns the manifest.
+
+    Also, so that nothing fails only once training has begun: the process-group backend against this
+    machine, the model against the staged sample shape (on the meta device: no memory, no compute) and,
+    when given, the output directory and the checkpoint root (created if missing, probed with a file), and
+    the checkpoint a resume would load (its step exists, its model and data match this run's).
+
+    The splits a run reads are verified here (traincore.data.verify_staging: labels every time, image
+    shards hashed once per staging), so a corrupt staging fails with a StagingError naming the file.
+    """
+    manifest = verify_staging(data_dir, Manifest.load(data_dir), ("train", "val"))
+    train_count = manifest.splits["train"].count
+    if cfg.loader.drop_last and train_count < cfg.loader.batch_size:
+        raise ValueError(f"loader.batch_size={cfg.loader.batch_size} exceeds the {train_count} training "
+                         f"samples in {data_dir}: lower loader.batch_size")
+    resolve_wandb_key(cfg.telemetry.wandb_mode)  # online mode without a key fails here, not in a worker
+    if cfg.model.name == "vit_b_16" and manifest.shape[1] % 16:
+        raise ValueError(f"model.name='vit_b_16' needs an image size divisible by 16; {data_dir} is staged "
+                         f"at {manifest.shape[1]}: stage again with a multiple of 16")
+    resolve_backend(cfg.dist, torch.cuda.is_available())  # nccl without CUDA fails here, not in a worker
+    check_model_input(cfg.model, manifest.num_classes, manifest.shape, f"the data in {data_dir}",
+                      cfg.loader.batch_size)
+    if output_dir is not None:
+        output_dir = Path(output_dir)
+        ensure_writable_dir(output_dir, "output directory", "--output")
+        root = Path(checkpoint_dir) if checkpoint_dir else output_dir / "checkpoints"
+        ensure_writable_dir(root, "checkpoint directory", "--checkpoint-dir or checkpoint_uri")
+        check_resume(cfg, manifest, root, data_dir)
+    return manifest
+
+
+class OutputError(ValueError):
+    """An output location cannot be written; the message names it and the fix."""
+
+
+def ensure_writable_dir(path: str | Path, what: str, option: str) -> Path:
+    """``path`` as a directory this process can write: created if missing, then proven with a probe file
+    (created and removed; permission bits alone do not tell, e.g. for root or on a read-only mount).
+    OutputError names ``what`` (``"output directory"``), the path and the ``option`` that sets it."""
+    path = Path(path)
+    fix = f"set {option} to a directory you can write to"
+    if path.exists() and not path.is_dir():
+        raise OutputError(f"{what} {path} is a file, not a directory: {fix}")
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise OutputError(f"{what} {path} cannot be created ({exc.strerror or exc}): {fix}") from exc
+    try:
+        handle, probe = tempfile.mkstemp(prefix=".write-probe-", dir=path)
+        os.close(handle)
+        os.unlink(probe)
+    except OSError as exc:
+        raise OutputError(f"{what} {path} is not writable ({exc.strerror or exc}): {fix}") from exc
+    return path
+
+
+OWN_MODELS = ("small_cnn", "mlp")
+"""The models traincore.models defines itself (they take model.width); the others come from torchvision."""
+
+
+def check_model_input(model: ModelConfig, num_classes: int, shape: tuple[int, ...] | list[int], data: str,
+                      batch_size: int = 2) -> None:
+    """ValueError unless ``model`` builds for ``shape`` (C, H, W) samples, trains on batches of
+    ``batch_size`` and maps them to ``num_classes`` logits.
+
+    Our own models run a forward on CPU zeros without gradients, in training mode on min(batch_size, 2)
+    samples (BatchNorm needs > 1 value per channel: a batch of 1 whose feature map shrinks to 1x1 fails)
+    and in eval mode: milliseconds. On the meta device the first op with a Python meta kernel imports
+    sympy (over a second), which a run that fails here, or a launcher that only checks, need not pay.
+    The torchvision models run on the meta device: building their tens of millions of real weights
+    takes seconds, and importing torchvision has already paid for sympy.
+    """
+    shape = tuple(shape)
+    try:
+        with torch.device("cpu" if model.name in OWN_MODELS else "meta"), torch.no_grad():
+            built = build_model(model, num_classes, shape)
+            built.train()(torch.zeros(min(batch_size, 2), *shape))
+            logits = built.eval()(torch.zeros(2, *shape))
+    except (RuntimeError, ValueError) as exc:
+        reason = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise ValueError(f"model.name={model.name!r} cannot take {data}: samples of shape {shape} in "
+                         f"batches of {batch_size} ({reason}); stage the data with a larger "
+                         "data.image_size, raise loader.batch_size, or choose another model.name") from exc
+    if tuple(logits.shape) != (2, num_classes):
+        raise ValueError(f"model.name={model.name!r} maps {data} to logits of shape "
+                         f"{tuple(logits.shape)[1:]}, not ({num_classes},): choose another model.name")
+
+
+def _classes(classes: list[str]) -> str:
+    shown = ", ".join(map(str, classes[:5])) + (", ..." if len(classes) > 5 else "")
+    return f"{len(classes)} classes ({shown})"
+
+
+def check_resume(cfg: Config, manifest: Manifest, root: Path, data_dir: str | Path) -> None:
+    """Refuse, before training, a resume the checkpointer would refuse once the workers run: a step that has
+    no complete checkpoint, a checkpoint in a format this code cannot read, or one of another model or of
+    data with other classes or another sample shape. A checkpoint whose files cannot be read is left to
+    the checkpointer, which verifies it and falls back to the previous complete one."""
+    wanted = cfg.checkpoint.resume
+    if wanted == "none":
+        return
+    steps = complete_steps(root)
+    fresh = "or start fresh with --resume none / checkpoint.resume='none' or another checkpoint directory"
+    if wanted != "latest" and int(wanted) not in steps:
+        raise CheckpointError(f"checkpoint.resume={wanted!r} (--resume): {root} holds no complete checkpoint "
+                              f"for step {int(wanted)} (complete steps: {steps or 'none'}): resume from one "
+                              f"of those or 'latest', {fresh}")
+    if not steps:
+        return
+    directory = step_dir(root, steps[-1] if wanted == "latest" else int(wanted))
+    marker = read_marker(directory)  # CheckpointError naming the directory for a foreign or unknown format
+    try:
+        meta = open_saved(directory, marker).shared.get("run", {})
+        saved_model = meta.get("config", {}).get("model", {})
+        saved_classes, saved_shape = meta.get("classes"), meta.get("shape")
+    except (OSError, RuntimeError, ValueError, KeyError, TypeError, AttributeError, EOFError,
+            pickle.UnpicklingError):  # damaged files: the checkpointer verifies them and falls back
+        return
+    ours = {"name": cfg.model.name}
+    if cfg.model.name in OWN_MODELS:
+        ours["width"] = cfg.model.width
+    theirs = {key: saved_model.get(key) for key in ours}
+    if saved_model and theirs != ours:
+        raise CheckpointError(f"checkpoint {directory} was written by a run of model {theirs}, this run "
+                              f"builds {ours}: use that run's model config, {fresh}")
+    if (saved_classes is not None and list(saved_classes) != list(manifest.classes)) or (
+            saved_shape is not None and list(saved_shape) != list(manifest.shape)):
+        raise CheckpointError(
+            f"checkpoint {directory} was trained on data of {_classes(list(saved_classes or []))} and shape "
+            f"{tuple(saved_shape or ())}, but {data_dir} holds {_classes(list(manifest.classes))} of shape "
+            f"{tuple(manifest.shape)}: train on data staged as that run's was, {fresh}")
