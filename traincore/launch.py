@@ -15,7 +15,6 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
-from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
 from traincore.config import ConfigError
 
@@ -76,6 +75,9 @@ def launch_local(entrypoint: Callable[..., Any], args: tuple, nproc_per_node: in
     whole group after a failure. A worker's failure raises torch elastic's ChildFailedError, which names
     the failed ranks, their exit codes and, from their error files, their tracebacks.
     """
+    # Here: a one-process run (which imports this module for its checks) never loads torch elastic's launcher.
+    from torch.distributed.launcher.api import LaunchConfig, elastic_launch
+
     config = LaunchConfig(min_nodes=1, max_nodes=1, nproc_per_node=nproc_per_node, run_id=str(uuid.uuid4()),
                           rdzv_backend="c10d", rdzv_endpoint="localhost:0", max_restarts=max_restarts,
                           start_method=start_method())
