@@ -152,4 +152,3 @@ class ConfigTransformer(DataclassTransformer):
 
 # Only for traincore's Config: every other dataclass keeps flytekit's default transformer.
 TypeEngine.register_additional_type(ConfigTransformer(), Config)
-

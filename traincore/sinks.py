@@ -78,53 +78,31 @@ class JsonlSink:
 class TensorBoardSink:
     """``<output>/tensorboard`` event files; scalars under ``train/...`` and ``eval/...``.
 
-    One event per ``log`` holds all its scalars, in TensorBoard's tensor-summary "scalars" format (as
-    ``SummaryWriter.add_scalar(new_style=True)`` writes them), through :class:`~traincore.tfevents.EventFile`:
-    one checksummed record per interval instead of one per scalar keeps a small model's step within a few
-    percent of a bare loop's (bench/step.py).
+    One event per ``log`` holds all its scalars (:class:`~traincore.tfevents.EventFile`): one checksummed
+    record per interval instead of one per scalar keeps a small model's step within a few percent of a bare
+    loop's (bench/step.py).
 
     The event file opens at the first ``log``, so that a resume can still set the purge step: the file then
-    starts with a session-start event at that step (the two events ``SummaryWriter(purge_step=S)`` writes),
-    and TensorBoard discards the events of that step and later ones that came before it (the killed
-    attempt's), in every earlier event file of the directory. TensorBoard reads the first session start of
-    a directory as the beginning and only later ones as restarts, so a fresh run opens with one too
-    (``resumed_at(0)``: purge step 1).
+    starts with a session-start event at that step, and TensorBoard discards the events of that step and
+    later ones that came before it (the killed attempt's), in every earlier event file of the directory.
+    TensorBoard reads the first session start of a directory as the beginning and only later ones as
+    restarts, so a fresh run opens with one too (``resumed_at(0)``: purge step 1).
     """
 
     def __init__(self, output_dir: str | Path) -> None:
-        # Imported here: a missing package fails before training, and runs without TensorBoard never pay it.
-        from tensorboard.compat.proto import event_pb2, summary_pb2, tensor_pb2
-
+        # Imported here: runs without TensorBoard never load its protobuf modules.
         from traincore.tfevents import EventFile
 
-        self._protos = event_pb2, summary_pb2, tensor_pb2
         self._event_file_class = EventFile
-        self._scalar = summary_pb2.SummaryMetadata(
-            plugin_data=summary_pb2.SummaryMetadata.PluginData(plugin_name="scalars"))
         self.directory = Path(output_dir) / "tensorboard"
         self._file = None
         self._purge_step: int | None = None
 
     def log(self, step: int, metrics: dict[str, float], kind: str = "train") -> None:
-        """Queue one event with a scalar per metric."""
-        event_pb2, summary_pb2, tensor_pb2 = self._protos
+        """Write one event with a scalar per metric."""
         if self._file is None:
-            self._file = self._open()
-        values = [summary_pb2.Summary.Value(
-            tag=f"{kind}/{name}", metadata=self._scalar,
-            tensor=tensor_pb2.TensorProto(float_val=[float(value)], dtype="DT_FLOAT"))
-            for name, value in metrics.items()]
-        summary = summary_pb2.Summary(value=values)
-        self._file.add(event_pb2.Event(wall_time=time.time(), step=step, summary=summary))
-
-    def _open(self):
-        event_pb2 = self._protos[0]
-        events = self._event_file_class(self.directory)
-        if self._purge_step is not None:
-            events.add(event_pb2.Event(step=self._purge_step, file_version="brain.Event:2"))
-            events.add(event_pb2.Event(step=self._purge_step,
-                                       session_log=event_pb2.SessionLog(status=event_pb2.SessionLog.START)))
-        return events
+            self._file = self._event_file_class(self.directory, self._purge_step)
+        self._file.add_scalars(step, {f"{kind}/{name}": value for name, value in metrics.items()})
 
     def resumed_at(self, step: int) -> None:
         """Hide the events of steps after ``step``: the next event file opens with purge step ``step + 1``."""

@@ -17,11 +17,14 @@ import struct
 import time
 from pathlib import Path
 
-from tensorboard.compat.proto import event_pb2
+from tensorboard.compat.proto import event_pb2, summary_pb2, tensor_pb2
 
 _CRC32C_POLY = 0x82F63B78  # Castagnoli, reversed
 _MASK_DELTA = 0xA282EAD8
 _files = itertools.count()  # tells apart event files one process opens within one second
+# Marks a value as a scalar, as SummaryWriter.add_scalar(new_style=True) does.
+_SCALAR = summary_pb2.SummaryMetadata(
+    plugin_data=summary_pb2.SummaryMetadata.PluginData(plugin_name="scalars"))
 
 
 def _crc32c_table() -> list[int]:
@@ -55,21 +58,34 @@ def record(data: bytes) -> bytes:
 class EventFile:
     """A new ``events.out.tfevents.*`` file in ``directory``, starting with TensorBoard's file-version event.
 
+    With ``purge_step`` S it then holds the session start ``SummaryWriter(purge_step=S)`` writes:
+    TensorBoard hides the events of step S and later that earlier files of the directory hold (a killed
+    attempt's).
+
     Every event is written and flushed as it is added, as metrics.jsonl is: a killed run's file holds all
-    it logged (the resumed run's purge step then hides what came after its checkpoint), and at one event
-    per logging interval the flush costs microseconds.
+    it logged, and at one event per logging interval the flush costs microseconds.
     """
 
-    def __init__(self, directory: str | Path) -> None:
+    def __init__(self, directory: str | Path, purge_step: int | None = None) -> None:
         directory = Path(directory)
         directory.mkdir(parents=True, exist_ok=True)
         name = f"events.out.tfevents.{int(time.time())}.{socket.gethostname()}.{os.getpid()}.{next(_files)}"
         self.path = directory / name
         self._file = open(self.path, "xb")
-        self.add(event_pb2.Event(wall_time=time.time(), file_version="brain.Event:2"))
+        self._add(event_pb2.Event(wall_time=time.time(), file_version="brain.Event:2"))
+        if purge_step is not None:
+            self._add(event_pb2.Event(step=purge_step, file_version="brain.Event:2"))
+            self._add(event_pb2.Event(step=purge_step,
+                                      session_log=event_pb2.SessionLog(status=event_pb2.SessionLog.START)))
 
-    def add(self, event: event_pb2.Event) -> None:
-        """Append ``event`` and flush it to the file."""
+    def add_scalars(self, step: int, scalars: dict[str, float]) -> None:
+        """One event holding every ``tag: value`` of ``scalars`` at ``step``."""
+        values = [summary_pb2.Summary.Value(tag=tag, metadata=_SCALAR, tensor=tensor_pb2.TensorProto(
+            float_val=[float(value)], dtype="DT_FLOAT")) for tag, value in scalars.items()]
+        summary = summary_pb2.Summary(value=values)
+        self._add(event_pb2.Event(wall_time=time.time(), step=step, summary=summary))
+
+    def _add(self, event: event_pb2.Event) -> None:
         self._file.write(record(event.SerializeToString()))
         self._file.flush()
 
