@@ -38,8 +38,8 @@ import numpy as np
 import torch
 from torch import nn
 
-from traincore.checkpoint import Checkpointer
-from traincore.checkpoint_writer import ChecksumWriter
+from traincore.checkpoint.checkpointer import Checkpointer
+from traincore.checkpoint.writer import ChecksumWriter
 from traincore.config import CheckpointConfig
 from traincore.state import Progress, training_registry
 

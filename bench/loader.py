@@ -30,8 +30,8 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a script from a source checkout
 
 from traincore.config import DataConfig, LoaderConfig  # noqa: E402
-from traincore.loader import StagedLoader, StagedSplit  # noqa: E402
-from traincore.stage import stage  # noqa: E402
+from traincore.data.loader import StagedLoader, StagedSplit  # noqa: E402
+from traincore.data.staging import stage  # noqa: E402
 
 GENERATE_CHUNK = 500  # images per generation task
 COMPLETE = ".complete"  # written last: a folder without it is regenerated

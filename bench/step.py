@@ -35,7 +35,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a script 
 
 from bench.tables import digits_and_scratch, write_results  # noqa: E402
 from traincore.config import Config  # noqa: E402
-from traincore.loader import StagedLoader, StagedSplit  # noqa: E402
+from traincore.data.loader import StagedLoader, StagedSplit  # noqa: E402
 from traincore.models import build_model  # noqa: E402
 from traincore.presets import preset  # noqa: E402
 from traincore.steps import endless, seed_everything, warmup_cosine  # noqa: E402

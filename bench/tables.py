@@ -39,7 +39,7 @@ def digits_and_scratch(data: str | None, prefix: str) -> Iterator[tuple[Path, Pa
     """(staged digits directory, scratch directory): ``data`` when given, else digits staged into the
     scratch directory, which is removed afterwards."""
     from traincore.config import DataConfig  # here: bench/run.py imports this module without torch
-    from traincore.stage import stage
+    from traincore.data.staging import stage
 
     with tempfile.TemporaryDirectory(prefix=prefix) as tmp:
         staged = Path(data) if data else Path(tmp) / "digits"

@@ -10,7 +10,7 @@
 #   TORCH_INDEX_URL       extra pip index for torch/torchvision; the CPU index keeps the multi-GB CUDA
 #                         libraries out. Empty = PyPI's torch (the CUDA build on Linux).
 #   EXTRAS                optional dependency groups of pyproject.toml, comma-separated: "connector" for
-#                         the Slurm connector service (pyflyte serve connector --modules tasks.slurm_connector)
+#                         the Slurm connector service (pyflyte serve connector --modules tasks.slurm.connector)
 #   PIP_OPTS              extra pip options, e.g. --find-links/--extra-index-url of a wheel store that
 #                         the build mounts (offline builds); empty by default
 #   FLYTE_INTERNAL_IMAGE  this image's own name:tag. flytekit reads it at run time as the default image,

@@ -5,5 +5,5 @@ import time).
 """
 
 ELASTIC_BACKENDS = ("local", "kubernetes")  # the kfpytorch Elastic train task (tasks/train.py)
-SLURM_BACKEND = "slurm"  # the same task submitted through the Slurm connector (tasks/slurm_connector.py)
+SLURM_BACKEND = "slurm"  # the same task submitted through the Slurm connector (tasks/slurm/connector.py)
 BACKENDS = (*ELASTIC_BACKENDS, SLURM_BACKEND)

@@ -15,7 +15,7 @@ import json
 from flytekit.core.base_task import TaskResolverMixin
 
 from tasks.backends import SLURM_BACKEND
-from tasks.slurm_connector import SlurmTrainTask
+from tasks.slurm.connector import SlurmTrainTask
 from tasks.train import ElasticTrainTask, task_key
 from tasks.types import Topology
 from traincore.config import Config

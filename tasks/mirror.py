@@ -1,6 +1,6 @@
 """The Flyte side of checkpoint mirroring: the node-local root and the object store's filesystem.
 
-traincore.checkpoint_mirror does the mirroring; this module picks the local directory for a checkpoint
+traincore.checkpoint.mirror does the mirroring; this module picks the local directory for a checkpoint
 root and hands the mirror the filesystem flytekit configured for the root (with the store's credentials).
 """
 
@@ -14,7 +14,7 @@ from pathlib import Path
 from flytekit.core.context_manager import FlyteContextManager
 
 from tasks.storage import NODE_CACHE, is_uri, local_path
-from traincore.checkpoint_mirror import CheckpointMirror
+from traincore.checkpoint.mirror import CheckpointMirror
 
 
 def local_checkpoint_root(root: str) -> Path:

@@ -20,14 +20,14 @@ from flytekit import task
 from flytekit.core.context_manager import FlyteContextManager
 
 from tasks.backends import BACKENDS, SLURM_BACKEND
-from tasks.slurm_client import SlurmClient
-from tasks.slurm_ssh import SlurmTarget, host_alias_known
-from tasks.slurm_states import SlurmError
+from tasks.slurm.client import SlurmClient
+from tasks.slurm.ssh import SlurmTarget, host_alias_known
+from tasks.slurm.states import SlurmError
 from tasks.storage import is_uri, local_path
 from tasks.types import SlurmSettings, Topology
 from traincore.config import Config, ConfigError, DataConfig, parse_source
-from traincore.data import StagingError
-from traincore.fingerprint import source_fingerprint
+from traincore.data.fingerprint import source_fingerprint
+from traincore.data.manifest import StagingError
 from traincore.preflight import OutputError, check_model_input, ensure_writable_dir
 from traincore.presets import preset
 
@@ -252,7 +252,7 @@ class RunPlan(NamedTuple):
     config: Config
     data: DataConfig
     topology: Topology
-    source_fingerprint: str  # the source as it was when this run started (traincore.fingerprint)
+    source_fingerprint: str  # the source as it was when this run started (traincore.data.fingerprint)
 
 
 @task

@@ -22,9 +22,9 @@ from tasks.plan import LaunchInputError, check_protocol
 from tasks.report import promotion_deck_html
 from tasks.storage import NODE_CACHE, is_uri, local_directory, local_path
 from tasks.types import EvalReport, ModelArtifact, Promotion, StagedDataset
-from traincore.checkpoint_files import sha256_file
 from traincore.evaluate import evaluate
 from traincore.export import WEIGHTS_FILE, load_exported
+from traincore.files import sha256_file
 from traincore.lineage import Lineage
 from traincore.registry import Champion, Registry, resolve_champion
 

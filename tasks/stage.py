@@ -16,8 +16,8 @@ from flytekit.core.context_manager import FlyteContextManager
 
 from tasks.types import StagedDataset
 from traincore.config import DataConfig
-from traincore.data import FORMAT_VERSION
-from traincore.stage import directory_bytes, stage, staging_key, summary
+from traincore.data.manifest import FORMAT_VERSION
+from traincore.data.staging import directory_bytes, stage, staging_key, summary
 
 log = logging.getLogger(__name__)
 

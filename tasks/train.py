@@ -34,7 +34,7 @@ from tasks.types import StagedDataset, Topology, TrainResult
 from traincore.config import Config
 from traincore.launch import settle_worker, worker_threads
 from traincore.preflight import preflight
-from traincore.startup import process_start_time
+from traincore.telemetry.startup import process_start_time
 from traincore.train import Trainer, format_summary
 
 WANDB_SECRET = Secret(group="wandb", key="api_key", mount_requirement=Secret.MountType.FILE)

@@ -15,7 +15,7 @@ from flytekit.models.types import LiteralType
 from flytekit.types.directory import FlyteDirectory
 
 from traincore.config import Config
-from traincore.data import Manifest
+from traincore.data.manifest import Manifest
 from traincore.evaluate import EvalResult
 from traincore.export import ExportResult
 from traincore.lineage import Lineage
@@ -59,7 +59,7 @@ class StagedDataset:
 
     directory: FlyteDirectory
     source: str
-    source_fingerprint: str  # the source as staged (traincore.fingerprint)
+    source_fingerprint: str  # the source as staged (traincore.data.fingerprint)
     classes: list[str]
     shape: list[int]  # C, H, W
     counts: dict[str, int]  # samples per split

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from traincore.config import DataConfig
-from traincore.stage import stage
+from traincore.data.staging import stage
 
 # 100 synthetic samples split 80/10/10; 32 per shard puts the train split in three shards (32, 32, 16),
 # so reads cross shard boundaries. Every image carries its own noise, so image bytes identify a sample.

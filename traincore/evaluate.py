@@ -16,9 +16,9 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from traincore.data import StagingError
+from traincore.data.loader import Normalizer, StagedSplit, eval_batches
+from traincore.data.manifest import StagingError
 from traincore.export import ExportError, load_exported
-from traincore.loader import Normalizer, StagedSplit, eval_batches
 
 
 @dataclass

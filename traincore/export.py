@@ -25,18 +25,17 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 from torch import nn
 
-from traincore.checkpoint_files import (
+from traincore.checkpoint.format import read_checkpoint
+from traincore.checkpoint.layout import (
     MARKER,
     CheckpointError,
     latest_complete,
     parse_step_name,
-    publish,
     read_marker,
-    sha256_file,
     verify_checkpoint,
 )
-from traincore.checkpoint_format import read_checkpoint
 from traincore.config import ModelConfig
+from traincore.files import publish, sha256_file, write_atomically
 from traincore.lineage import LINEAGE_FILE, Lineage, with_run
 from traincore.models import build_model, parameter_count
 
@@ -160,9 +159,9 @@ def export(checkpoint: str | Path, output: str | Path, lineage: Lineage | None =
         lineage = replace(with_run(lineage or Lineage(), meta, config["step"]), model_sha256=config["sha256"])
         publish(tmp, output)
         try:
-            _publish_text(lineage.to_json(), lineage_path)
+            write_atomically(lineage_path, lineage.to_json())
             # Last: the config's sha256 declares the weights (and the lineage beside them) complete.
-            _publish_text(json.dumps(config, indent=2), config_path)
+            write_atomically(config_path, json.dumps(config, indent=2))
         except BaseException:
             # Weights without their config must not look exported, nor a lineage without its model.
             output.unlink(missing_ok=True)
@@ -207,15 +206,6 @@ def _read(directory: Path) -> tuple[dict[str, torch.Tensor], dict, dict]:
     return weights, {"model": model, "num_classes": meta["num_classes"], "shape": list(meta["shape"]),
                      "classes": meta.get("classes"), "mean": meta.get("mean"), "std": meta.get("std"),
                      "step": extra["step"], "checkpoint": str(directory), "checkpoint_mode": mode}, meta
-
-
-def _publish_text(text: str, path: Path) -> None:
-    tmp = path.with_name(f".{path.name}.tmp")
-    try:
-        tmp.write_text(text)
-        publish(tmp, path)
-    finally:
-        tmp.unlink(missing_ok=True)
 
 
 def _load(path: Path, config: dict, source: str) -> nn.Module:

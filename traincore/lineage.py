@@ -35,7 +35,7 @@ class Lineage:
 
     source: str = ""  # the dataset source as given (digits, synthetic, imagefolder:<path-or-URI>)
     source_fingerprint: str = ""  # the source's content when it was staged (listing with sizes/mtimes/ETags)
-    staging_format: int = 0  # traincore.data.FORMAT_VERSION of the staged data
+    staging_format: int = 0  # traincore.data.manifest.FORMAT_VERSION of the staged data
     data_config_hash: str = ""  # config_hash of the resolved config's data section
     config_hash: str = ""  # config_hash of the whole resolved config
     config: dict = field(default_factory=dict)  # the resolved config the model was trained with

@@ -14,13 +14,13 @@ from pathlib import Path
 
 import torch
 
-from traincore.checkpoint_files import CheckpointError, complete_steps, read_marker, step_dir
-from traincore.checkpoint_format import open_saved
+from traincore.checkpoint.format import open_saved
+from traincore.checkpoint.layout import CheckpointError, complete_steps, read_marker, step_dir
 from traincore.config import Config, ModelConfig
-from traincore.data import Manifest, verify_staging
+from traincore.data.manifest import Manifest, verify_staging
 from traincore.dist import resolve_backend
 from traincore.models import build_model
-from traincore.sinks import resolve_wandb_key
+from traincore.telemetry.sinks import resolve_wandb_key
 
 
 def preflight(cfg: Config, data_dir: str | Path, output_dir: str | Path | None = None,
@@ -32,7 +32,7 @@ def preflight(cfg: Config, data_dir: str | Path, output_dir: str | Path | None =
     when given, the output directory and the checkpoint root (created if missing, probed with a file), and
     the checkpoint a resume would load (its step exists, its model and data match this run's).
 
-    The splits a run reads are verified here (traincore.data.verify_staging: labels every time, image
+    The splits a run reads are verified here (traincore.data.manifest.verify_staging: labels every time, image
     shards hashed once per staging), so a corrupt staging fails with a StagingError naming the file.
     """
     manifest = verify_staging(data_dir, Manifest.load(data_dir), ("train", "val"))

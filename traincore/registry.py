@@ -34,8 +34,8 @@ from pathlib import Path, PurePosixPath
 import fsspec
 from fsspec.implementations.local import LocalFileSystem
 
-from traincore.checkpoint_files import publish as publish_file
 from traincore.export import WEIGHTS_FILE, ExportError, config_path_for, load_exported
+from traincore.files import fsync_path, publish, publish_directory
 from traincore.lineage import LINEAGE_FILE, Lineage, LineageError
 
 LATEST = "latest"
@@ -134,7 +134,7 @@ class Registry:
                 copy_file(model_dir / name, partial / name)
             tmp = partial / f".{LINEAGE_FILE}.tmp"
             lineage.write(tmp)
-            publish_file(tmp, partial / LINEAGE_FILE)
+            publish(tmp, partial / LINEAGE_FILE)
             commit_version(partial, root / version)
         finally:
             shutil.rmtree(partial, ignore_errors=True)
@@ -148,7 +148,7 @@ class Registry:
         tmp = Path(self.root) / f".{LATEST}.{uuid.uuid4().hex[:8]}.tmp"
         try:
             tmp.write_text(f"{version}\n", encoding="utf-8")
-            publish_file(tmp, Path(self.root) / LATEST)
+            publish(tmp, Path(self.root) / LATEST)
         finally:
             tmp.unlink(missing_ok=True)
 
@@ -161,22 +161,16 @@ class Registry:
 def copy_file(source: Path, target: Path) -> None:
     """Copy and fsync one file: the rename that follows must publish bytes that are on disk."""
     shutil.copyfile(source, target)
-    with open(target, "rb+") as handle:
-        os.fsync(handle.fileno())
+    fsync_path(target)
 
 
 def commit_version(partial: Path, target: Path) -> None:
     """Rename the assembled version into place; a version of the same name is never replaced."""
     try:
-        os.rename(partial, target)  # fails on an existing, non-empty target directory
+        publish_directory(partial, target)  # fails on an existing, non-empty target directory
     except OSError as exc:
         raise RegistryError(f"cannot publish {target}: {exc.strerror or exc} (versions are immutable; "
                             "publish again in a second)") from exc
-    fd = os.open(target.parent, os.O_RDONLY)
-    try:
-        os.fsync(fd)  # the rename itself
-    finally:
-        os.close(fd)
 
 
 def check_model_dir(model_dir: Path, lineage: Lineage) -> None:

@@ -17,8 +17,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from traincore.config import Config
+from traincore.data.loader import Batch, Normalizer, StagedLoader, StagedSplit, eval_batches
 from traincore.dist import DistContext, all_reduce_sum
-from traincore.loader import Batch, Normalizer, StagedLoader, StagedSplit, eval_batches
 
 
 class NonFiniteLossError(RuntimeError):

@@ -31,23 +31,23 @@ import torch
 from torch import nn
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 
-from traincore.autotune import autotune
-from traincore.checkpoint import Checkpointer
-from traincore.checkpoint_files import CheckpointError
+from traincore.checkpoint.checkpointer import Checkpointer
+from traincore.checkpoint.layout import CheckpointError
 from traincore.config import Config, ConfigError
-from traincore.data import Manifest, StagingError
+from traincore.data.autotune import autotune
+from traincore.data.loader import StagedLoader, StagedSplit
+from traincore.data.manifest import Manifest, StagingError
 from traincore.dist import distributed, explain_timeouts, tighten_timeout
 from traincore.launch import launch_local, refuse_under_torchrun, start_method
-from traincore.loader import StagedLoader, StagedSplit
-from traincore.metrics import peak_flops, training_flops_per_sample
 from traincore.models import build_model, parameter_count
 from traincore.preflight import preflight
 from traincore.presets import PRESETS, preset
-from traincore.profiling import ProfilerWindow
-from traincore.startup import StartupClock, process_start_time
 from traincore.state import Progress, training_registry, unwrap_model
 from traincore.steps import endless, seed_everything, total_steps, train_step, validate, warmup_cosine
-from traincore.telemetry import Telemetry, Workload, setup_logging
+from traincore.telemetry.metrics import peak_flops, training_flops_per_sample
+from traincore.telemetry.profiling import ProfilerWindow
+from traincore.telemetry.reporting import Telemetry, Workload, setup_logging
+from traincore.telemetry.startup import StartupClock, process_start_time
 
 log = logging.getLogger(__name__)
 
@@ -90,12 +90,12 @@ def gc_paused() -> Iterator[None]:
 class Trainer:
     """One run in this worker: owns the run-wide parts and their state, trains, tears down in one place.
 
-    ``started_at`` (epoch seconds, e.g. :func:`~traincore.startup.process_start_time`) is where the start-up
+    ``started_at`` (epoch seconds, e.g. :func:`~.startup.process_start_time`) is where the start-up
     figures begin: what ran before the Trainer was built counts as "imports". None: they begin now.
 
     A worker of a launcher that ran :func:`preflight` once for all its workers (``--nproc-per-node``)
     passes the ``manifest`` preflight returned, which skips preflight here, and the launcher's
-    ``startup`` clock (:meth:`~traincore.startup.StartupClock.state_dict`), which it continues in place
+    ``startup`` clock (:meth:`~.startup.StartupClock.state_dict`), which it continues in place
     of ``started_at``: the time up to this Trainer counts as "launch".
     """
 

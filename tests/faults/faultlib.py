@@ -190,8 +190,9 @@ def signal_pending(pid: int, sig: int) -> bool:
 # A forked child starts in ~0.1 s instead of the 3-8 s an import of torch takes on a busy 2-core machine, so
 # the checkpoint fault tests can afford dozens of real processes. Each child is a fresh process (nothing of
 # the test's state in it) that runs a script the test wrote, as `python script.py args` would.
+# (DDP imports torch._dynamo: 3-7 s.)
 FORK_PRELOAD = ["torch", "torch._dynamo", "torch.distributed", "torch.distributed.checkpoint", "numpy",
-                "traincore.checkpoint", "traincore.state", "faultlib"]  # DDP imports torch._dynamo: 3-7 s
+                "traincore.checkpoint.checkpointer", "traincore.state", "faultlib"]
 
 
 def _run_script(script: str, args: list[str], env: dict[str, str], log: str) -> None:

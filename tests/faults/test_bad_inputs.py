@@ -41,12 +41,12 @@ from tasks.launch import train_task_for
 from tasks.plan import plan_run
 from tasks.stage import stage_dataset
 from tasks.types import StagedDataset, Topology
-from traincore.checkpoint_files import MARKER, verify_checkpoint
+from traincore.checkpoint.layout import MARKER, verify_checkpoint
 from traincore.config import DataConfig
-from traincore.data import MANIFEST, Manifest
+from traincore.data.manifest import MANIFEST, Manifest
+from traincore.data.staging import stage
 from traincore.export import WEIGHTS_FILE, export
 from traincore.presets import preset
-from traincore.stage import stage
 from traincore.train import Trainer
 from workflows.pipeline import training_pipeline
 

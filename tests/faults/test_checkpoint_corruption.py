@@ -1,4 +1,4 @@
-"""Damaged and foreign checkpoints: detected, named, and answered as traincore/checkpoint.py documents.
+"""Damaged and foreign checkpoints: detected, named, and answered as the checkpointer documents.
 
 Every case damages a copy of a root holding complete checkpoints of steps 2 and 4 (sync and dcp):
 
@@ -26,8 +26,9 @@ import pytest
 import torch
 from faultlib import TinyRun
 
-from traincore.checkpoint import Checkpointer
-from traincore.checkpoint_files import (
+from traincore.checkpoint.checkpointer import Checkpointer
+from traincore.checkpoint.format import read_checkpoint
+from traincore.checkpoint.layout import (
     MARKER,
     CheckpointError,
     CorruptCheckpointError,
@@ -36,7 +37,6 @@ from traincore.checkpoint_files import (
     verify_checkpoint,
     write_marker,
 )
-from traincore.checkpoint_format import read_checkpoint
 from traincore.config import CheckpointConfig
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
@@ -150,7 +150,7 @@ def test_damaged_latest_falls_back_and_the_named_step_fails(pristine, tmp_path, 
         verify_checkpoint(step_dir(root, 4))
     assert_names(named.value, path)
 
-    caplog.set_level(logging.WARNING, logger="traincore.checkpoint")
+    caplog.set_level(logging.WARNING, logger="traincore.checkpoint.checkpointer")
     resumed, run = load(root, mode)
     assert resumed == 2  # the previous complete step, bitwise as saved
     assert run.digests() == digests[2]
@@ -260,5 +260,5 @@ def test_directory_without_a_marker_is_refused(pristine, tmp_path):
         read_checkpoint(foreign)
     message = str(error.value)
     assert f"{foreign} has no {MARKER}" in message and "another program" in message, message
-    assert "pass a step directory written by traincore.checkpoint" in message
+    assert "pass a step directory written by traincore.checkpoint.checkpointer" in message
     assert load(root, "dcp")[0] == 4  # the latest complete step; the unmarked directory is never read

@@ -23,7 +23,7 @@ from pathlib import Path
 import pytest
 from faultlib import Job, read_jsonl, wait_jobs
 
-from traincore.checkpoint_files import MARKER, complete_steps, step_dir, verify_checkpoint
+from traincore.checkpoint.layout import MARKER, complete_steps, step_dir, verify_checkpoint
 
 EVERY, KEEP_LAST, KILL_STEP, UNTIL = 2, 2, 8, 12
 
@@ -44,9 +44,11 @@ from pathlib import Path
 import torch.distributed as dist
 from faultlib import TinyRun
 
-from traincore import checkpoint, checkpoint_files, checkpoint_writer
-from traincore.checkpoint import Checkpointer
-from traincore.checkpoint_files import MARKER, complete_steps, step_dir
+from traincore.checkpoint import checkpointer as checkpoint
+from traincore.checkpoint import layout as checkpoint_files
+from traincore.checkpoint import writer as checkpoint_writer
+from traincore.checkpoint.checkpointer import Checkpointer
+from traincore.checkpoint.layout import MARKER, complete_steps, step_dir
 from traincore.config import CheckpointConfig
 
 parser = argparse.ArgumentParser()
@@ -123,7 +125,7 @@ def arm(point):
             publish(tmp, path)
         checkpoint_files.publish = killing_marker_publish
     elif point in ("prune-start", "prune-mid"):  # the step committed, pruning begun / a marker removed
-        prune, fsync = checkpoint.prune, checkpoint_files._fsync
+        prune, fsync = checkpoint.prune, checkpoint_files.fsync_path
         pruning = []
 
         def killing_prune(root, keep_last):
@@ -138,7 +140,7 @@ def arm(point):
             if pruning and Path(path).parent == args.root and not (Path(path) / MARKER).exists():
                 die(path)
             fsync(path)
-        checkpoint.prune, checkpoint_files._fsync = killing_prune, killing_fsync
+        checkpoint.prune, checkpoint_files.fsync_path = killing_prune, killing_fsync
     else:
         raise SystemExit(f"unknown kill point {point!r}")
 

@@ -21,13 +21,14 @@ import pytest
 from faultlib import TINY, child_env, run, train_args
 
 import tasks.stage
-import traincore.data
+import traincore.data.manifest
+import traincore.data.staging
 import traincore.stage
 from tasks.stage import stage_dataset
 from traincore.config import DataConfig
-from traincore.data import MANIFEST, VERIFIED, Manifest, StagingError, read_record
-from traincore.fingerprint import source_fingerprint
-from traincore.loader import StagedSplit
+from traincore.data.fingerprint import source_fingerprint
+from traincore.data.loader import StagedSplit
+from traincore.data.manifest import MANIFEST, VERIFIED, Manifest, StagingError, read_record
 from traincore.preflight import preflight
 from traincore.presets import preset
 
@@ -57,13 +58,13 @@ def image_shards(directory: Path, splits: tuple[str, ...] = ("train", "val")) ->
 def hash_calls(monkeypatch) -> list[str]:
     """Names of the image files hashed in this process (a counting wrapper around the real hash)."""
     calls: list[str] = []
-    real = traincore.data.file_sha256
+    real = traincore.data.manifest.sha256_file
 
     def counting(path: Path) -> str:
         calls.append(Path(path).name)
         return real(path)
 
-    monkeypatch.setattr(traincore.data, "file_sha256", counting)
+    monkeypatch.setattr(traincore.data.manifest, "sha256_file", counting)
     return calls
 
 
@@ -180,8 +181,8 @@ def test_image_shards_are_hashed_once_and_recorded(damaged_copy, hash_calls):
     assert len(hash_calls) == 5
 
     # A new process reads the record from disk, not this process's memory: it hashes nothing either.
-    script = ("import sys, traincore.data as d; calls = []; real = d.file_sha256\n"
-              "d.file_sha256 = lambda p: calls.append(p) or real(p)\n"
+    script = ("import sys, traincore.data.manifest as d; calls = []; real = d.sha256_file\n"
+              "d.sha256_file = lambda p: calls.append(p) or real(p)\n"
               "d.verify_staging(sys.argv[1], splits=('train', 'val')); print(len(calls))")
     child = subprocess.run([sys.executable, "-c", script, str(damaged_copy)], capture_output=True, text=True,
                            timeout=60, env=child_env())
@@ -246,7 +247,7 @@ def test_stage_task_restages_a_corrupt_staging_in_place(monkeypatch, caplog):
     monkeypatch.setattr(stage_dataset.metadata, "cache_version", "restage-after-corruption")
     calls = []
     monkeypatch.setattr(tasks.stage, "stage",
-                        lambda *a, **k: calls.append(k) or traincore.stage.stage(*a, **k))
+                        lambda *a, **k: calls.append(k) or traincore.data.staging.stage(*a, **k))
     caplog.set_level(logging.WARNING, logger="traincore.stage")
 
     again = staged_by_task()

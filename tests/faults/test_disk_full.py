@@ -25,9 +25,9 @@ from pathlib import Path
 import pytest
 from faultlib import TinyRun, mount_tmpfs, unmount
 
-from traincore import checkpoint_writer
-from traincore.checkpoint import Checkpointer
-from traincore.checkpoint_files import (
+from traincore.checkpoint import writer as checkpoint_writer
+from traincore.checkpoint.checkpointer import Checkpointer
+from traincore.checkpoint.layout import (
     MARKER,
     CheckpointError,
     complete_steps,

@@ -34,8 +34,8 @@ from faultlib import (
 
 from tasks.launch import train_task_for
 from tasks.types import StagedDataset, Topology
-from traincore.checkpoint_files import complete_steps
-from traincore.data import Manifest
+from traincore.checkpoint.layout import complete_steps
+from traincore.data.manifest import Manifest
 from traincore.presets import preset
 
 MAX_STEPS, EVERY = 60, 10

@@ -11,7 +11,7 @@ from pathlib import Path
 
 from faultlib import TINY, child_env, kill_tree, metric_rows, run, torchrun, train_args, wait_for
 
-from traincore.checkpoint_files import complete_steps
+from traincore.checkpoint.layout import complete_steps
 
 MAX_STEPS, EVERY = 60, 10
 CONFIG = {**TINY, "telemetry": {**TINY["telemetry"], "tensorboard": True}}

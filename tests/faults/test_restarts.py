@@ -36,8 +36,8 @@ from faultlib import (
     train_args,
 )
 
-from traincore.checkpoint_files import step_dir
-from traincore.checkpoint_format import read_checkpoint
+from traincore.checkpoint.format import read_checkpoint
+from traincore.checkpoint.layout import step_dir
 
 MAX_STEPS, EVERY, FAULTS = 150, 10, 3
 RUN_ARGS = ("--max-steps", str(MAX_STEPS), "--checkpoint-every", str(EVERY))
@@ -53,7 +53,7 @@ from dataclasses import asdict
 
 from tasks.launch import train_task_for
 from tasks.types import StagedDataset, Topology
-from traincore.data import Manifest
+from traincore.data.manifest import Manifest
 from traincore.train import build_config, parse_args
 
 

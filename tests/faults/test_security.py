@@ -45,13 +45,13 @@ from torch import nn
 from tasks.launch import train_task_for
 from tasks.train import WANDB_SECRET
 from tasks.types import StagedDataset, Topology
-from traincore.checkpoint import Checkpointer
-from traincore.checkpoint_files import STATE_FILE, CheckpointError, complete_steps, step_dir, write_marker
+from traincore.checkpoint.checkpointer import Checkpointer
+from traincore.checkpoint.layout import STATE_FILE, CheckpointError, complete_steps, step_dir, write_marker
 from traincore.config import CheckpointConfig, DataConfig
-from traincore.data import Manifest, StagingError
+from traincore.data.manifest import Manifest, StagingError
+from traincore.data.staging import stage
 from traincore.export import export
 from traincore.presets import preset
-from traincore.stage import stage
 from traincore.state import StateRegistry
 
 REPO = Path(__file__).resolve().parents[2]
@@ -396,10 +396,11 @@ def test_a_forged_dcp_metadata_is_refused_without_running_code(tmp_path):
     """DCP's ``.metadata`` is a pickle; ours is read with an allow-list, so a forged one runs nothing."""
     import pickle
 
-    from traincore.checkpoint_files import CheckpointError
-    from traincore.checkpoint_format import read_checkpoint
+    from traincore.checkpoint.format import read_checkpoint
+    from traincore.checkpoint.layout import CheckpointError
 
-    source = Path(__file__).parents[1] / "traincore" / "data" / "checkpoint-v2" / "dcp" / "step-000004"
+    source = (Path(__file__).parents[1] / "traincore" / "checkpoint" / "fixtures" / "checkpoint-v2" / "dcp"
+              / "step-000004")
     forged = shutil.copytree(source, tmp_path / "step-000004")
     marker = tmp_path / "ran-code"
 

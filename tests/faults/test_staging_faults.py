@@ -20,14 +20,15 @@ from pathlib import Path
 import pytest
 from faultlib import child_env
 
-import traincore.data
+import traincore.data.manifest
+import traincore.data.staging
 import traincore.stage
 from traincore.config import DataConfig
-from traincore.data import MANIFEST, VERIFIED, StagingError
-from traincore.imagefolder import list_images
-from traincore.loader import StagedSplit
-from traincore.sources import CHUNK_BYTES
-from traincore.stage import stage
+from traincore.data.imagefolder import list_images
+from traincore.data.loader import StagedSplit
+from traincore.data.manifest import MANIFEST, VERIFIED, StagingError
+from traincore.data.sources import CHUNK_BYTES
+from traincore.data.staging import stage
 
 MiB = 1 << 20
 
@@ -167,14 +168,14 @@ def fill(directory: Path) -> Path:
 
 def test_disk_filling_up_while_staging_leaves_no_staging(tmp_path, monkeypatch):
     """The space check passes, then another writer takes the space: the write fails midway."""
-    real_check = traincore.stage.check_free_space
+    real_check = traincore.data.staging.check_free_space
     filled: list[Path] = []
 
     def check_then_fill(output: Path, needed: int) -> None:
         real_check(output, needed)
         filled.append(fill(output.parent))
 
-    monkeypatch.setattr(traincore.stage, "check_free_space", check_then_fill)
+    monkeypatch.setattr(traincore.data.staging, "check_free_space", check_then_fill)
     with tmpfs(tmp_path / "disk", "4m") as disk:
         output = disk / "data"
         cfg = DataConfig(source="synthetic", image_size=32, synthetic_samples=600, samples_per_shard=100)
@@ -187,7 +188,7 @@ def test_disk_filling_up_while_staging_leaves_no_staging(tmp_path, monkeypatch):
         assert not list(disk.rglob(MANIFEST))
         # With the space back, the same call stages completely.
         filled[0].unlink()
-        monkeypatch.setattr(traincore.stage, "check_free_space", real_check)
+        monkeypatch.setattr(traincore.data.staging, "check_free_space", real_check)
         assert stage(cfg, output).splits["train"].count == 480
         StagedSplit(output, "train")
 
@@ -247,9 +248,10 @@ def read_only_copy(source: Path, path: Path) -> Iterator[Path]:
 def test_read_only_staging_is_verified_without_a_record(synthetic_dir, tmp_path, monkeypatch, caplog):
     """A staging that cannot be written to is verified anyway; the process remembers it and warns."""
     calls: list[str] = []
-    real = traincore.data.file_sha256
-    monkeypatch.setattr(traincore.data, "file_sha256", lambda p: calls.append(Path(p).name) or real(p))
-    caplog.set_level(logging.WARNING, logger="traincore.data")
+    real = traincore.data.manifest.sha256_file
+    monkeypatch.setattr(traincore.data.manifest, "sha256_file",
+                        lambda p: calls.append(Path(p).name) or real(p))
+    caplog.set_level(logging.WARNING, logger="traincore.data.manifest")
     with read_only_copy(synthetic_dir, tmp_path / "ro-staging") as staging:
         assert not (staging / VERIFIED).exists()
         StagedSplit(staging, "train")

@@ -35,8 +35,8 @@ from replay_helpers import run_replay  # noqa: I001  (a module beside this file)
 
 from replay import literals
 from replay.retry import kill_pod, start_pod
-from traincore.checkpoint_files import complete_steps, step_dir
-from traincore.checkpoint_format import read_checkpoint
+from traincore.checkpoint.format import read_checkpoint
+from traincore.checkpoint.layout import complete_steps, step_dir
 
 MAX_STEPS, EVERY = 200, 20  # 10-30 s of training on a 2-core machine (busy or not)
 TRAIN_NODE = "n2-0-dn0"

@@ -1,7 +1,7 @@
 """The replayed workflow on a real S3 API (a local moto server): store, raw data and checkpoints on s3://.
 
 The fast registration's code tarball, every node's inputs/outputs, the staged dataset, the checkpoints
-(published by the train pod's mirror, tasks/mirror.py over traincore/checkpoint_mirror.py), the exported
+(published by the train pod's mirror, tasks/mirror.py over traincore/checkpoint/mirror.py), the exported
 model and the evaluation all go through s3:// URIs on the server; the pods reach it only through the
 FLYTE_AWS_* settings a platform injects. Then Flyte's retry of the train node (attempt 1, same inputs.pb,
 a fresh pod whose node-local cache is empty) must restore from the s3 checkpoint root and resume.
@@ -15,8 +15,8 @@ from pathlib import Path
 import pytest
 from replay_helpers import run_replay  # noqa: I001  (a module beside this file)
 
-from traincore.checkpoint_files import MARKER
-from traincore.checkpoint_format import read_checkpoint
+from traincore.checkpoint.format import read_checkpoint
+from traincore.checkpoint.layout import MARKER
 
 MAX_STEPS, EVERY = 60, 20
 TRAIN_NODE = "n2-0-dn0"  # the train task inside the @dynamic train_on_backend node

@@ -16,8 +16,8 @@ import pytest
 from tasks.launch import train_task_for
 from tasks.plan import LaunchInputError, plan_run
 from tasks.types import SlurmSettings, StagedDataset, Topology
-from traincore.checkpoint_format import read_checkpoint
-from traincore.data import Manifest
+from traincore.checkpoint.format import read_checkpoint
+from traincore.data.manifest import Manifest
 from traincore.presets import preset
 
 pytestmark = [pytest.mark.slurm, pytest.mark.slow]

@@ -1,4 +1,4 @@
-"""tasks.slurm_client against the real two-node loopback cluster (scripts/slurm-loopback, Slurm 22.05.8 here).
+"""tasks.slurm.client against the real two-node loopback cluster (scripts/slurm-loopback, Slurm 22.05.8 here).
 
 The ``slurm_loopback`` fixture (tests/slurm/conftest.py) brings the cluster up and names its ssh Host alias;
 the client connects through that alias with the host key verified against ~/.ssh/known_hosts, as a user
@@ -15,9 +15,9 @@ from pathlib import Path
 
 import pytest
 
-from tasks.slurm_client import SlurmClient
-from tasks.slurm_ssh import SlurmConnectionError, SlurmTarget, connect
-from tasks.slurm_states import JobInfo, Outcome, SlurmError
+from tasks.slurm.client import SlurmClient
+from tasks.slurm.ssh import SlurmConnectionError, SlurmTarget, connect
+from tasks.slurm.states import JobInfo, Outcome, SlurmError
 
 pytestmark = pytest.mark.slurm
 

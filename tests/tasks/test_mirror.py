@@ -7,7 +7,7 @@ from fsspec.implementations.memory import MemoryFileSystem
 import tasks.mirror
 from tasks.mirror import local_checkpoint_root, synced_checkpoints
 from tasks.storage import is_uri
-from traincore.checkpoint_files import MARKER, complete_steps, step_dir
+from traincore.checkpoint.layout import MARKER, complete_steps, step_dir
 
 
 def test_local_roots_are_used_in_place_and_uris_get_a_node_local_stand_in(tmp_path):

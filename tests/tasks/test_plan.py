@@ -16,7 +16,7 @@ from tasks.plan import (
     plan_run,
 )
 from tasks.types import Topology
-from traincore.fingerprint import source_fingerprint
+from traincore.data.fingerprint import source_fingerprint
 from traincore.presets import preset
 
 PLAN_DEFAULTS = dict(source="digits", preset="digits", config_overrides="", epochs=0, max_steps=0,

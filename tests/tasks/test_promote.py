@@ -11,7 +11,7 @@ from flytekit.types.directory import FlyteDirectory
 from tasks.plan import LaunchInputError
 from tasks.promote import check_promoted_uri, decide, promotion_gate
 from tasks.types import EvalReport, ModelArtifact, StagedDataset, dataset_lineage
-from traincore.data import Manifest
+from traincore.data.manifest import Manifest
 from traincore.evaluate import evaluate
 from traincore.export import WEIGHTS_FILE, export
 from traincore.lineage import LINEAGE_FILE, Lineage, with_test

@@ -27,7 +27,7 @@ from torch.distributed.elastic.rendezvous.c10d_rendezvous_backend import C10dRen
 from tasks.rendezvous import RendezvousStateUnpickler
 from tasks.train import ElasticTrainTask
 from tasks.types import StagedDataset, Topology
-from traincore.data import Manifest
+from traincore.data.manifest import Manifest
 from traincore.presets import preset
 
 TIMEOUT_S = 5

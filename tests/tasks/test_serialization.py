@@ -66,7 +66,7 @@ def test_packaged_train_task_is_a_plain_pod_with_shared_memory(package):
 
 
 def test_packaged_staging_is_cached_by_format_version(package):
-    from traincore.data import FORMAT_VERSION
+    from traincore.data.manifest import FORMAT_VERSION
 
     metadata = package["TaskSpec:tasks.stage.stage_dataset"].template.metadata
     assert metadata.discoverable and metadata.discovery_version == f"staging-format-{FORMAT_VERSION}"

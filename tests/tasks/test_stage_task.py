@@ -15,9 +15,9 @@ from tasks.plan import plan_run
 from tasks.stage import stage_dataset
 from tasks.types import StagedDataset
 from traincore.config import DataConfig
-from traincore.data import Manifest
-from traincore.fingerprint import source_fingerprint
-from traincore.stage import stage
+from traincore.data.fingerprint import source_fingerprint
+from traincore.data.manifest import Manifest
+from traincore.data.staging import stage
 
 DATA = DataConfig(source="synthetic", image_size=8, synthetic_samples=60, synthetic_classes=3)
 FINGERPRINT = source_fingerprint(DATA)

@@ -12,7 +12,7 @@ from tasks.export import export_model
 from tasks.launch import train_task_for
 from tasks.report import read_metrics
 from tasks.types import StagedDataset, Topology
-from traincore.data import Manifest
+from traincore.data.manifest import Manifest
 from traincore.evaluate import evaluate
 from traincore.lineage import Lineage
 from traincore.presets import preset

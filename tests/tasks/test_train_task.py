@@ -21,7 +21,7 @@ from tasks.launch import train_task, train_task_for
 from tasks.train import ElasticTrainTask, vanished_workers
 from tasks.types import SlurmSettings, StagedDataset, Topology
 from traincore.config import ConfigError
-from traincore.data import Manifest
+from traincore.data.manifest import Manifest
 from traincore.presets import preset
 
 
@@ -120,7 +120,7 @@ def test_resolver_rebuilds_the_same_task_from_its_command():
 
 def test_mounted_wandb_secret_reaches_validation_and_workers(tmp_path, monkeypatch):
     from tasks.train import WANDB_SECRET, _use_wandb_secret
-    from traincore.sinks import resolve_wandb_key
+    from traincore.telemetry.sinks import resolve_wandb_key
 
     secret = tmp_path / WANDB_SECRET.group / WANDB_SECRET.key
     secret.parent.mkdir()

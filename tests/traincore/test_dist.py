@@ -252,7 +252,7 @@ def test_other_errors_pass_through_unexplained(error):
 
 
 def _checkpoint_group_bounds(rank: int, out_dir: Path) -> dict:
-    import traincore.checkpoint as checkpoint
+    import traincore.checkpoint.checkpointer as checkpoint
     from traincore.state import StateRegistry
 
     checkpoint.GROUP_START_TIMEOUT = timedelta(seconds=1.5)  # our own constant, in this child process only

@@ -12,10 +12,10 @@ import torch.nn.functional as F
 from sklearn.metrics import confusion_matrix as sk_confusion
 from sklearn.metrics import precision_score, recall_score
 
-from traincore.data import StagingError
+from traincore.data.loader import StagedSplit
+from traincore.data.manifest import StagingError
 from traincore.evaluate import confusion_matrix, evaluate, main, precision_recall, resolve_device
 from traincore.export import export, load_exported
-from traincore.loader import StagedSplit
 from traincore.presets import preset
 from traincore.train import Trainer
 

@@ -14,10 +14,11 @@ import torch.nn.functional as F
 from torch import nn
 
 import traincore.export
-from traincore.checkpoint import Checkpointer
-from traincore.checkpoint_files import CheckpointError, sha256_file, step_dir, verify_checkpoint
+from traincore.checkpoint.checkpointer import Checkpointer
+from traincore.checkpoint.layout import CheckpointError, step_dir, verify_checkpoint
 from traincore.config import CheckpointConfig, Config, ModelConfig
 from traincore.export import ExportError, export, load_exported, main
+from traincore.files import sha256_file
 from traincore.models import build_model, parameter_count
 from traincore.state import ModelState, OptimizerState, RunMeta, StateRegistry
 
@@ -206,14 +207,14 @@ def test_a_checkpoint_that_is_a_file_is_named(tmp_path):
 def test_weights_without_their_config_are_not_left_behind(tmp_path, monkeypatch):
     """The config is published last; when that fails, the weights and lineage just published go too."""
     trained_checkpoint(tmp_path / "checkpoints", "sync")
-    publish_text = traincore.export._publish_text
+    write_atomically = traincore.export.write_atomically
 
-    def fail_config(text, path):
+    def fail_config(path, text):
         if path.name != "m.json":
-            return publish_text(text, path)
+            return write_atomically(path, text)
         raise OSError(28, "No space left on device", str(path))
 
-    monkeypatch.setattr(traincore.export, "_publish_text", fail_config)
+    monkeypatch.setattr(traincore.export, "write_atomically", fail_config)
     with pytest.raises(ExportError, match=r"No space left on device \(.*m\.json\)"):
         export(tmp_path / "checkpoints", tmp_path / "out" / "m.safetensors")
     assert list((tmp_path / "out").iterdir()) == []

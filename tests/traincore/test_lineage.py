@@ -12,8 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from traincore.checkpoint_files import sha256_file
 from traincore.export import export
+from traincore.files import sha256_file
 from traincore.lineage import (
     LINEAGE_FILE,
     Lineage,

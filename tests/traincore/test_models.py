@@ -6,8 +6,8 @@ import pytest
 import torch
 
 from traincore.config import ConfigError, ModelConfig
-from traincore.metrics import training_flops_per_sample
 from traincore.models import VIT_TINY, build_model, parameter_count
+from traincore.telemetry.metrics import training_flops_per_sample
 
 
 @pytest.mark.parametrize("shape", [(3, 32, 32), (1, 32, 32), (3, 16, 16)])

@@ -142,7 +142,7 @@ import traincore.registry as registry
 from traincore.lineage import Lineage
 
 point, uri, model_dir = sys.argv[1], sys.argv[2], Path(sys.argv[3])
-publish_file, commit_version = registry.publish_file, registry.commit_version
+publish_file, commit_version = registry.publish, registry.commit_version
 
 
 def die():
@@ -171,13 +171,13 @@ def commit_then_die(partial, target):  # the version renamed into place, latest 
 if point == "copy":
     registry.copy_file = copy_half_then_die
 elif point == "lineage":
-    registry.publish_file = die_at("lineage.json")
+    registry.publish = die_at("lineage.json")
 elif point == "commit":
     registry.commit_version = lambda partial, target: die()
 elif point == "committed":
     registry.commit_version = commit_then_die
 elif point == "latest":
-    registry.publish_file = die_at("latest")
+    registry.publish = die_at("latest")
 registry.Registry(uri).publish(model_dir, Lineage.load(model_dir / "lineage.json"))
 '''
 KILL_POINTS = ("copy", "lineage", "commit", "committed", "latest")

@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from traincore.data import Manifest
+from traincore.data.manifest import Manifest
 from traincore.stage import main
 
 

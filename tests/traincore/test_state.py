@@ -7,8 +7,8 @@ import logging
 import pytest
 import torch
 
-from traincore.checkpoint import Checkpointer
-from traincore.checkpoint_files import CheckpointError
+from traincore.checkpoint.checkpointer import Checkpointer
+from traincore.checkpoint.layout import CheckpointError
 from traincore.config import CheckpointConfig
 from traincore.presets import debug
 from traincore.state import RunMeta, StateRegistry

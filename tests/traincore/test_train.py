@@ -15,11 +15,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from traincore.checkpoint_files import complete_steps
+from traincore.checkpoint.layout import complete_steps
 from traincore.config import DataConfig, ModelConfig
+from traincore.data.staging import stage
 from traincore.export import export
 from traincore.preflight import check_model_input
-from traincore.stage import stage
 from traincore.train import gc_paused
 
 TINY = {"model": {"name": "small_cnn", "width": 8}, "optim": {"lr": 3e-3, "warmup_steps": 2},

@@ -1,0 +1,53 @@
+"""The profiler window: a real torch.profiler trace for the configured steps, nothing outside them."""
+
+from __future__ import annotations
+
+import json
+
+import torch
+
+from traincore.presets import debug
+from traincore.telemetry.profiling import ProfilerWindow
+from traincore.train import Trainer
+
+
+def work() -> None:
+    torch.randn(32, 32) @ torch.randn(32, 32)
+
+
+def test_window_records_its_steps_into_a_chrome_trace(tmp_path):
+    window = ProfilerWindow((2, 4), tmp_path, rank=1)
+    for step in range(6):
+        window.on_step(step)
+        assert (window.profiler is not None) == (2 <= step < 4)
+        work()
+    window.close()
+    trace = json.loads((tmp_path / "profile" / "trace-rank1.json").read_text())
+    assert any("mm" in event.get("name", "") for event in trace["traceEvents"])
+
+
+def test_no_window_records_nothing(tmp_path):
+    window = ProfilerWindow(None, tmp_path, rank=0)
+    for step in range(3):
+        window.on_step(step)
+        assert window.profiler is None
+    window.close()
+    assert not (tmp_path / "profile").exists()
+
+
+def test_close_writes_a_window_the_run_did_not_finish(tmp_path):
+    window = ProfilerWindow((1, 100), tmp_path, rank=0)
+    window.on_step(0)
+    window.on_step(1)
+    work()
+    window.close()
+    window.close()  # idempotent
+    assert (tmp_path / "profile" / "trace-rank0.json").is_file()
+
+
+def test_trainer_writes_the_configured_window(synthetic_dir, tmp_path):
+    cfg = debug().with_overrides({"train.max_steps": 5, "train.profile_steps": "2:4", "loader.batch_size": 16,
+                                  "telemetry.tensorboard": False})
+    Trainer(cfg, synthetic_dir, tmp_path / "run").train()
+    trace = json.loads((tmp_path / "run" / "profile" / "trace-rank0.json").read_text())
+    assert trace["traceEvents"]

@@ -1,0 +1,212 @@
+"""Metric sinks: which files each configuration writes, and where a W&B key may and may not go."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import time
+from pathlib import Path
+
+import pytest
+
+from traincore.config import TelemetryConfig
+from traincore.telemetry.sinks import JsonlSink, TensorBoardSink, build_sinks, resolve_wandb_key
+
+SECRET = "k3y-0123456789abcdef0123456789abcdef"
+
+
+@pytest.fixture(autouse=True)
+def _isolated_wandb(monkeypatch, tmp_path):
+    """No ambient W&B key, and W&B's home directories inside the test's tmp_path."""
+    for name in ("WANDB_API_KEY", "WANDB_API_KEY_FILE"):
+        monkeypatch.delenv(name, raising=False)
+    for name in ("WANDB_CONFIG_DIR", "WANDB_CACHE_DIR", "WANDB_DATA_DIR"):
+        monkeypatch.setenv(name, str(tmp_path / "wandb-home"))
+    monkeypatch.setenv("WANDB_SILENT", "true")
+
+
+def log_train_and_eval(output: Path, **overrides) -> None:
+    """Open the configured sinks, log steps 1-2 and one eval at step 2, then close them."""
+    cfg = TelemetryConfig(**{"tensorboard": False, **overrides})
+    sinks = build_sinks(cfg, output, run_config={"model": {"name": "mlp"}})
+    try:
+        for step, loss in ((1, 1.0), (2, 2.0)):
+            for sink in sinks:
+                sink.log(step, {"loss": loss, "lr": 1e-3}, kind="train")
+        for sink in sinks:
+            sink.log(2, {"accuracy": 1.0}, kind="eval")
+    finally:
+        for sink in sinks:
+            sink.close()
+
+
+def test_only_jsonl_when_tensorboard_and_wandb_are_off(tmp_path):
+    log_train_and_eval(tmp_path)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["metrics.jsonl"]
+    records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [(r["step"], r["kind"], r.get("loss")) for r in records] == [
+        (1, "train", 1.0), (2, "train", 2.0), (2, "eval", None)]
+
+
+def test_jsonl_rejects_reserved_metric_names(tmp_path):
+    sink = JsonlSink(tmp_path)
+    with pytest.raises(ValueError, match=r"\['step'\] are reserved"):
+        sink.log(1, {"step": 3.0})
+    sink.close()
+    assert (tmp_path / "metrics.jsonl").read_text() == ""
+
+
+def test_wandb_offline_writes_a_run_and_never_the_key(tmp_path, monkeypatch, caplog):
+    caplog.set_level(logging.DEBUG)
+    monkeypatch.setenv("WANDB_API_KEY", SECRET)
+    output = tmp_path / "out"
+    log_train_and_eval(output, wandb_mode="offline")
+    runs = list((output / "wandb").glob("offline-run-*"))
+    assert len(runs) == 1 and list(runs[0].glob("*.wandb"))
+    assert SECRET not in caplog.text
+    for path in output.rglob("*"):
+        assert not path.is_file() or SECRET.encode() not in path.read_bytes(), path
+
+
+def test_wandb_key_file_must_be_readable(tmp_path, monkeypatch):
+    monkeypatch.setenv("WANDB_API_KEY_FILE", str(tmp_path / "missing"))
+    with pytest.raises(ValueError, match="WANDB_API_KEY_FILE=.*missing.* cannot be read"):
+        resolve_wandb_key("online")
+    assert resolve_wandb_key("offline") is None and resolve_wandb_key("disabled") is None
+
+
+class FakeRun:
+    def __init__(self) -> None:
+        self.logged: list[tuple[int, dict]] = []
+        self.finished = 0
+
+    def log(self, data: dict, step: int) -> None:
+        self.logged.append((step, data))
+
+    def finish(self) -> None:
+        self.finished += 1
+
+
+def test_wandb_online_key_from_secret_file_reaches_wandb_only(tmp_path, monkeypatch, caplog):
+    import wandb
+
+    caplog.set_level(logging.DEBUG)
+    (tmp_path / "secret").write_text(SECRET + "\n")
+    monkeypatch.setenv("WANDB_API_KEY_FILE", str(tmp_path / "secret"))
+    calls, run = [], FakeRun()
+    monkeypatch.setattr(wandb, "init", lambda **kwargs: calls.append(kwargs) or run)
+    output = tmp_path / "out"
+    log_train_and_eval(output, wandb_mode="online")
+    assert calls[0]["settings"].api_key == SECRET and calls[0]["mode"] == "online"
+    assert calls[0]["dir"] == str(output) and SECRET not in json.dumps(calls[0]["config"])
+    assert run.logged[1][0] == 2 and run.logged[1][1]["train/loss"] == 2.0
+    assert run.logged[2] == (2, {"eval/accuracy": 1.0}) and run.finished == 1
+    assert os.environ.get("WANDB_API_KEY") is None
+    assert SECRET not in caplog.text and SECRET not in (output / "metrics.jsonl").read_text()
+
+
+def test_failed_wandb_start_closes_the_sinks_already_open(tmp_path, monkeypatch):
+    closed = []
+    for sink_class in (JsonlSink, TensorBoardSink):
+        close = sink_class.close
+        monkeypatch.setattr(sink_class, "close", lambda self, close=close: closed.append(type(self).__name__)
+                            or close(self))
+    cfg = TelemetryConfig(tensorboard=True, wandb_mode="online")
+    with pytest.raises(ValueError, match="needs a W&B API key"):
+        build_sinks(cfg, tmp_path, run_config={})
+    assert closed == ["JsonlSink", "TensorBoardSink"]
+
+
+def jsonl_steps(path: Path) -> list[tuple[int, str]]:
+    return [(r["step"], r["kind"]) for r in map(json.loads, path.read_text().splitlines())]
+
+
+def test_jsonl_resume_drops_later_steps_and_a_torn_line_atomically(tmp_path, monkeypatch):
+    first = JsonlSink(tmp_path)
+    for step in range(1, 8):
+        first.log(step, {"loss": float(step)})
+    first.log(5, {"accuracy": 0.5}, kind="eval")
+    first.close()
+    path = tmp_path / "metrics.jsonl"
+    lines = path.read_text().splitlines(keepends=True)
+    path.write_text("".join(lines) + '{"step": 8, "time": 1.0, "ki')  # a crash mid-write
+    renamed = []
+    replace = os.replace
+    monkeypatch.setattr(os, "replace", lambda src, dst: renamed.append((Path(src).name, Path(dst).name))
+                        or replace(src, dst))
+    second = JsonlSink(tmp_path)
+    second.resumed_at(5)
+    second.log(6, {"loss": 60.0})
+    second.close()
+    assert renamed == [(".metrics.jsonl.tmp", "metrics.jsonl")]  # written aside, then renamed over it
+    assert path.read_text().splitlines(keepends=True)[:6] == lines[:5] + [lines[7]]  # kept lines untouched
+    assert jsonl_steps(path) == [(1, "train"), (2, "train"), (3, "train"), (4, "train"), (5, "train"),
+                                 (5, "eval"), (6, "train")]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["metrics.jsonl"]
+
+
+def test_jsonl_resume_with_nothing_to_drop_leaves_the_file_alone(tmp_path):
+    first = JsonlSink(tmp_path)
+    first.log(1, {"loss": 1.0})
+    first.close()
+    before = (tmp_path / "metrics.jsonl").stat()
+    second = JsonlSink(tmp_path)
+    second.resumed_at(1)
+    second.close()
+    after = (tmp_path / "metrics.jsonl").stat()
+    assert (after.st_ino, after.st_mtime_ns) == (before.st_ino, before.st_mtime_ns)
+    fresh = JsonlSink(tmp_path)
+    fresh.resumed_at(0)  # a fresh start in the same directory: nothing of the earlier run remains
+    fresh.close()
+    assert (tmp_path / "metrics.jsonl").read_text() == ""
+
+
+def test_jsonl_resume_ends_a_last_line_cut_before_its_newline(tmp_path):
+    (tmp_path / "metrics.jsonl").write_text('{"step": 1, "time": 1.0, "kind": "train"}\n'
+                                            '{"step": 2, "time": 2.0, "kind": "train"}')
+    sink = JsonlSink(tmp_path)
+    sink.resumed_at(2)
+    sink.log(3, {"loss": 3.0})
+    sink.close()
+    assert jsonl_steps(tmp_path / "metrics.jsonl") == [(1, "train"), (2, "train"), (3, "train")]
+
+
+def tensorboard_points(directory: Path, tag: str) -> list[tuple[int, float]]:
+    from tensorboard.backend.event_processing.plugin_event_accumulator import EventAccumulator
+    from tensorboard.util import tensor_util
+
+    events = EventAccumulator(str(directory))
+    events.Reload()
+    return [(e.step, float(tensor_util.make_ndarray(e.tensor_proto))) for e in events.Tensors(tag)]
+
+
+@pytest.mark.parametrize("resume", [True, False])
+def test_tensorboard_resume_purges_the_killed_attempts_later_steps(tmp_path, resume):
+    killed = TensorBoardSink(tmp_path)
+    killed.resumed_at(0)  # as the Trainer starts a fresh run (the first session start is no restart)
+    for step in range(1, 8):  # a checkpoint at step 4, killed after step 7
+        killed.log(step, {"loss": float(step)})
+    killed.close()
+    time.sleep(1.01 - time.time() % 1)  # event files sort by the second they are opened in
+    resumed = TensorBoardSink(tmp_path)
+    if resume:
+        resumed.resumed_at(4)
+    for step in range(5, 9):
+        resumed.log(step, {"loss": 10.0 * step})
+    resumed.close()
+    points = tensorboard_points(tmp_path / "tensorboard", "train/loss")
+    if resume:
+        assert points == [(1, 1.0), (2, 2.0), (3, 3.0), (4, 4.0), (5, 50.0), (6, 60.0), (7, 70.0), (8, 80.0)]
+    else:  # what the resume prevents: steps 5-7 twice
+        assert [step for step, _ in points].count(5) == 2
+
+
+def test_tensorboard_opens_its_event_file_at_the_first_point(tmp_path):
+    sink = TensorBoardSink(tmp_path)
+    sink.resumed_at(3)
+    assert not (tmp_path / "tensorboard").exists()
+    sink.log(4, {"loss": 1.0})
+    sink.close()
+    sink.close()
+    assert tensorboard_points(tmp_path / "tensorboard", "train/loss") == [(4, 1.0)]

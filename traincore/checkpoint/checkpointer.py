@@ -1,0 +1,364 @@
+"""Checkpoints: save and resume a run's state registry in one of three modes.
+
+The checkpointer is handed a :class:`~traincore.state.StateRegistry` and never looks inside its members:
+it saves the registry's shared state and gathers every rank's per-rank state. ``sync`` writes one
+``state.pt`` from rank 0; ``dcp`` and ``async`` write a torch.distributed.checkpoint directory, every rank
+its own part. The layout, the commit marker and the checksums are :mod:`traincore.checkpoint.layout`; what the
+files hold is :mod:`traincore.checkpoint.format`. Every rank checksums the files it writes while writing
+them; rank 0 gathers the checksums and writes the marker last, once every rank's writes are done.
+
+Resume takes the latest complete checkpoint. If ``verify_on_load`` finds one of its files corrupt (checksum
+mismatch or truncated, or a damaged commit marker), a warning names the file and loading FALLS BACK to the
+previous complete checkpoint, so one bad write costs ``every`` steps rather than the run. A corrupt step
+that was asked for by number is an error, and so is a commit.json of another program or format (refused,
+never skipped) and a file that passes verification but cannot be read; each message names the file.
+
+A save that fails (a full disk: "no space left on device while writing <path>") raises CheckpointWriteError,
+a CheckpointError and an OSError; rank 0 deletes the torn directory, and the committed ones stay as they are.
+
+``async`` returns once the copy of the state into staging buffers (pinned memory on CUDA) has *started*,
+and writes from background threads over a gloo process group of its own. Every save still holds the state
+at its step, bit for bit: the non-tensor state (step, loader position, schedule, RNG streams, telemetry
+totals) is serialised and the tensors of up to 1 MiB (BatchNorm statistics, counters) are copied before
+``save`` returns; the large tensors (parameters, optimizer state), which only an optimizer step changes, are
+copied while the next forward and backward run. :meth:`Checkpointer.wait_for_snapshot` waits for that copy;
+the training step calls it before ``optimizer.step()``, and the registry's optimizers wait for it anyway
+while a copy is in flight (a step pre-hook on each of them, registered only for that time; no other
+optimizer of the process is touched). Code that changes a large saved tensor
+in place by other means calls ``wait_for_snapshot`` first, or sets ``checkpoint.overlap_copy=false``, which
+copies everything before ``save`` returns. At most one save is in flight: the next ``save``, ``load``,
+``wait`` and ``close`` first wait for the previous one, since overlapping DCP saves can hang.
+
+torch.distributed.checkpoint is imported only by ``dcp`` and ``async`` saves and by loads of their
+checkpoints (:mod:`traincore.checkpoint.dcp`): a ``sync`` run never loads it.
+
+Per-rank state (RNG streams) cannot be matched to ranks when the world size changed since the save; it is
+then kept as it is (and logged). Shared state reshards (DCP) or is replicated (``sync``), so every mode
+resumes on any world size.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+from datetime import timedelta
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch.distributed as dist
+from torch.optim import Optimizer
+
+from traincore.checkpoint.format import flat_shapes, load_tensors, open_saved, split_tensors
+from traincore.checkpoint.layout import (
+    EXTRA_FILE,
+    STATE_FILE,
+    CheckpointError,
+    CorruptCheckpointError,
+    complete_steps,
+    prune,
+    read_marker,
+    remove_step,
+    step_dir,
+    verify_checkpoint,
+    write_marker,
+)
+from traincore.checkpoint.writer import failing_save, save_file, serialize, write_bytes
+from traincore.config import CheckpointConfig
+
+if TYPE_CHECKING:  # traincore.state imports DCP's state-dict helpers
+    from traincore.state import StateRegistry
+
+# Creating the checkpoint group: every rank left the process-group barrier and DDP's parameter broadcast
+# moments before, and only telemetry set-up lies between (W&B's own init gives up after 90 s), so a rank
+# missing for 2 minutes is hung or dead; the 30-minute allowance below would make that a 30-minute hang.
+GROUP_START_TIMEOUT = timedelta(minutes=2)
+# Every later checkpoint collective: the longest is a barrier while the slowest rank writes its part (sync:
+# rank 0 writes everything; resume: rank 0 checksums it all). ~100 GB of training state at the slowest
+# fsync'd rate measured on our machines (0.2 GB/s) is ~8 minutes; 30 leaves room for slower shared storage.
+SAVE_TIMEOUT = timedelta(minutes=30)
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class SaveStats:
+    """Cost of the last committed save: seconds training was blocked, seconds until committed, bytes."""
+
+    step: int
+    mode: str
+    blocking_s: float
+    total_s: float
+    num_bytes: int  # counted by rank 0; 0 elsewhere
+
+
+class Checkpointer:
+    """Saves and restores a StateRegistry under ``root``; every rank constructs it and calls each method."""
+
+    def __init__(self, root: str | Path, cfg: CheckpointConfig, registry: StateRegistry, rank: int = 0,
+                 world_size: int = 1):
+        self.root, self.cfg, self.registry = Path(root), cfg, registry
+        self.rank, self.world_size = rank, world_size
+        self.last_save: SaveStats | None = None
+        self._group = self._new_group()
+        self._pending: Future | None = None  # the commit of the save in flight
+        self._snapshot: Future | None = None  # its copy of the state, while it may be in progress
+        self._hold_steps: list = []  # hooks on the registered optimizers' steps that wait for the copy
+        self._stager = self._executor = None
+        if cfg.mode == "async":
+            from traincore.checkpoint.snapshot import SnapshotStager
+
+            self._stager = SnapshotStager(overlap=cfg.overlap_copy)
+            self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="checkpoint-commit")
+
+    def _new_group(self) -> dist.ProcessGroup | None:
+        if not dist.is_initialized():
+            if self.world_size != 1:
+                raise CheckpointError(f"world_size={self.world_size} needs an initialised process group: "
+                                      "call torch.distributed.init_process_group first")
+            return None
+        if (dist.get_rank(), dist.get_world_size()) != (self.rank, self.world_size):
+            raise CheckpointError(f"rank={self.rank}, world_size={self.world_size} disagree with the process "
+                                  f"group ({dist.get_rank()}, {dist.get_world_size()}): pass the group's "
+                                  "values")
+        # A gloo group of our own: checkpoint collectives never queue behind the training backend's (nor
+        # hit its lowered timeout during a long save), and async saves get the CPU backend they need.
+        # Its creation waits for every rank: bounded by GROUP_START_TIMEOUT, not by the saves' allowance.
+        group = dist.new_group(backend="gloo", timeout=GROUP_START_TIMEOUT)
+        dist.set_timeout(SAVE_TIMEOUT, group=group)
+        return group
+
+    def _barrier(self) -> None:
+        if self._group is not None:
+            dist.barrier(group=self._group)
+
+    def _broadcast(self, obj: Any) -> Any:
+        if self._group is None:
+            return obj
+        box = [obj]
+        dist.broadcast_object_list(box, src=0, group=self._group)
+        return box[0]
+
+    def _gather(self, obj: Any) -> list | None:
+        if self._group is None:
+            return [obj]
+        out = [None] * self.world_size if self.rank == 0 else None
+        dist.gather_object(obj, out, dst=0, group=self._group)
+        return out
+
+    def maybe_save(self, step: int, last_step: bool) -> None:
+        """Save at every ``cfg.every``-th step and at the last one: the one place this rule lives."""
+        if (self.cfg.every and step % self.cfg.every == 0) or last_step:
+            self.save(step)
+
+    def save(self, step: int) -> None:
+        """Write ``<root>/step-{step:06d}/``; returns once training may go on (async: once the copy of the
+        state has started; see :meth:`wait_for_snapshot`)."""
+        start = time.perf_counter()
+        self.wait()
+        directory = step_dir(self.root, step)
+        shared, per_rank = self.registry.shared_state(), self._gather(self.registry.rank_state())
+        if self.rank == 0:
+            remove_step(directory)  # a torn (or superseded) leftover of the same step
+            directory.mkdir(parents=True)
+        self._barrier()  # no rank writes before the leftover is gone
+        with failing_save(directory, discard=self.rank == 0):  # e.g. a full disk: the error names the file
+            checksums, finish = self._write(directory, step, shared, per_rank)
+        blocking = time.perf_counter() - start
+        log.info("checkpoint step=%d mode=%s blocking=%.3fs", step, self.cfg.mode, blocking)
+        if finish is None:
+            self._commit(directory, step, start, blocking, checksums)
+            self._barrier()  # no rank goes on (or reads it) before the marker exists
+        else:
+            self._pending = self._executor.submit(self._commit, directory, step, start, blocking, checksums,
+                                                  finish)
+
+    def _write(self, directory: Path, step: int, shared: dict, per_rank: list | None
+               ) -> tuple[dict[str, dict], Callable[[], None] | None]:
+        """Write this rank's part (async: start to); returns the checksums of this rank's files and, for
+        async, what finishes the writes.
+
+        DCP's writer threads add a file's checksum when they close it: the dict is complete once the
+        writes are.
+        """
+        if self.cfg.mode == "sync":
+            if self.rank != 0:
+                return {}, None
+            payload = {"step": step, "shared": shared, "per_rank": per_rank}
+            return {STATE_FILE: save_file(payload, directory / STATE_FILE)}, None
+        from traincore.checkpoint.dcp import save_tensors
+
+        tensors, rest = split_tensors(shared)
+        extra = {"step": step, "shared": rest, "per_rank": per_rank} if self.rank == 0 else None
+        checksums: dict[str, dict] = {}
+        if self.cfg.mode == "dcp":
+            if extra is not None:
+                checksums[EXTRA_FILE] = save_file(extra, directory / EXTRA_FILE)
+            save_tensors(tensors, directory, checksums, self._group)
+            return checksums, None
+        # The non-tensor state is serialised now, while it is the state at this step; written later.
+        extra_bytes = None if extra is None else serialize(extra)
+        response = save_tensors(tensors, directory, checksums, self._group, self._stager)
+        self._hold_optimizer_steps(self._stager.snapshot)
+
+        def finish() -> None:
+            response.upload_completion.result()  # every rank's data and DCP's .metadata are written
+            if extra_bytes is not None:
+                checksums[EXTRA_FILE] = write_bytes(extra_bytes, directory / EXTRA_FILE)
+        return checksums, finish
+
+    def _hold_optimizer_steps(self, snapshot: Future) -> None:
+        """Make the registered optimizers' steps wait for ``snapshot``, the copy in progress, until it is
+        waited for: a loop that never calls wait_for_snapshot still saves the state at its step."""
+        self._snapshot = snapshot
+
+        # Removed by wait_for_snapshot, not from inside a step (torch iterates over the hooks then).
+        def wait_for_copy(optimizer: Any, args: Any, kwargs: Any) -> None:
+            snapshot.result()
+        self._hold_steps = [optimizer.register_step_pre_hook(wait_for_copy)
+                            for optimizer in registered_optimizers(self.registry)]
+
+    def _commit(self, directory: Path, step: int, start: float, blocking: float, checksums: dict[str, dict],
+                finish: Callable[[], None] | None = None) -> None:
+        """Every rank: finish writing and hand its checksums to rank 0, which writes the marker and prunes."""
+        if finish is not None:
+            with failing_save(directory, discard=self.rank == 0):
+                finish()
+        gathered = self._gather(checksums)
+        num_bytes = 0
+        if self.rank == 0:
+            every_rank = {name: entry for part in gathered for name, entry in part.items()}
+            with failing_save(directory, discard=True):  # no marker: a torn save, deleted
+                num_bytes = write_marker(directory, step, self.cfg.mode, self.world_size, every_rank)
+            prune(self.root, self.cfg.keep_last)
+        self.last_save = SaveStats(step, self.cfg.mode, blocking, time.perf_counter() - start, num_bytes)
+        if self.rank == 0:
+            log.info("checkpoint step=%d committed: %.3f GB in %.2fs", step, num_bytes / 1e9,
+                     self.last_save.total_s)
+
+    def wait_for_snapshot(self) -> None:
+        """Block until the copy of the state an async save is taking is complete; a no-op when none is.
+
+        Call it before changing saved tensors in place: the training step calls it before
+        ``optimizer.step()``. A failed copy raises here (and fails that save).
+        """
+        if self._snapshot is None:
+            return
+        snapshot, self._snapshot = self._snapshot, None
+        for handle in self._hold_steps:
+            handle.remove()
+        self._hold_steps = []
+        snapshot.result()
+
+    def wait(self) -> None:
+        """Block until an in-flight async save is complete and committed."""
+        self.wait_for_snapshot()
+        if self._pending is None:
+            return
+        pending, self._pending = self._pending, None
+        pending.result()
+        self._barrier()  # rank 0's marker exists before any rank goes on
+
+    def close(self) -> None:
+        """Wait for an in-flight save, then release the stager, the commit thread and the process group."""
+        try:
+            self.wait()
+        finally:
+            if self._executor is not None:
+                self._executor.shutdown()
+                self._stager.close()
+                self._executor = self._stager = None
+            if self._group is not None:
+                dist.destroy_process_group(self._group)
+                self._group = None
+
+    def load(self, step: int | None = None) -> int | None:
+        """Restore the registry from ``step`` (default: the latest complete one); None if none exists."""
+        self.wait()
+        chosen, error = self._broadcast(self._choose(step) if self.rank == 0 else None)
+        if error:
+            raise CheckpointError(error)
+        if chosen is None:
+            return None
+        directory = step_dir(self.root, chosen)
+        marker = read_marker(directory)
+        saved = open_saved(directory, marker)
+        # The run's own tensors, filled in place; members the checkpoint lacks keep theirs (registry.load).
+        current = split_tensors(self.registry.shared_state())[0]
+        template = {member: tensors for member, tensors in current.items() if member in saved.shared}
+        self._check_shapes(directory, saved.shapes, flat_shapes(template), saved.shared)
+        load_tensors(saved, directory, marker, template, self._group)
+        rank_state = saved.per_rank[self.rank] if len(saved.per_rank) == self.world_size else None
+        if rank_state is None:
+            log.info("checkpoint was written by %d ranks, this run has %d: per-rank state (RNG) cannot be "
+                     "matched to ranks, keeping the current one", len(saved.per_rank), self.world_size)
+        try:
+            self.registry.load(saved.shared, rank_state)
+        except ValueError as exc:
+            # Imported here: traincore.state imports DCP's state-dict helpers, which a sync load does without.
+            from traincore.state import StateMismatchError
+
+            if not isinstance(exc, StateMismatchError):
+                raise
+            raise CheckpointError(f"checkpoint {directory} does not fit this run: {exc}") from exc
+        log.info("resumed from %s (step %d, mode %s)", directory, saved.step, marker["mode"])
+        return saved.step
+
+    def _check_shapes(self, directory: Path, saved: dict[str, list], current: dict[str, list],
+                      saved_shared: dict) -> None:
+        """Refuse a checkpoint whose tensors differ from the run's, naming the first one, before loading."""
+        for name in [*current, *(n for n in saved if n not in current)]:
+            saved_shape, current_shape = saved.get(name, "absent"), current.get(name, "absent")
+            if saved_shape != current_shape:
+                member, _, key = name.partition(".")
+                kind = "parameter" if member == "model" else f"{member} state"
+                raise CheckpointError(
+                    f"checkpoint {directory} does not fit this run: {kind} {key!r} has shape {saved_shape} "
+                    f"in the checkpoint and {current_shape} in the model. "
+                    f"{self.registry.describe(saved_shared) or 'Its run config is unrecorded'}: build that "
+                    "model, or train into a fresh checkpoint root")
+
+    def _choose(self, step: int | None) -> tuple[int | None, str | None]:
+        """Rank 0: the step to load (None: nothing to resume), or the error every rank raises."""
+        try:
+            return self._pick(step), None
+        except (CheckpointError, OSError) as exc:  # raised on every rank, so no rank waits forever
+            return None, str(exc)
+
+    def _pick(self, step: int | None) -> int | None:
+        complete = complete_steps(self.root)
+        if step is not None:
+            if step not in complete:
+                raise CheckpointError(f"no complete checkpoint for step {step} under {self.root}; complete "
+                                      f"steps: {complete or 'none'}")
+            self._verify(step)
+            return step
+        for candidate in reversed(complete):
+            try:
+                self._verify(candidate)
+                return candidate
+            except CorruptCheckpointError as exc:
+                log.warning("%s; falling back to the previous complete checkpoint", exc)
+        if complete:
+            raise CheckpointError(f"every complete checkpoint under {self.root} is corrupt (steps "
+                                  f"{complete}): restore them from a backup, or set checkpoint.resume='none'")
+        return None
+
+    def _verify(self, step: int) -> None:
+        if self.cfg.verify_on_load:
+            verify_checkpoint(step_dir(self.root, step))
+        else:
+            read_marker(step_dir(self.root, step))
+
+
+def registered_optimizers(registry: StateRegistry) -> list[Optimizer]:
+    """The optimizers whose steps change the registry's tensors: members that are one or wrap one (as
+    traincore.state.OptimizerState does, in its ``optimizer`` attribute)."""
+    found = []
+    for member in [*registry.shared.values(), *registry.per_rank.values()]:
+        optimizer = member if isinstance(member, Optimizer) else getattr(member, "optimizer", None)
+        if isinstance(optimizer, Optimizer):
+            found.append(optimizer)
+    return found

@@ -1,0 +1,302 @@
+"""The checkpoint layout: step directories, per-file checksums, the commit marker, pruning.
+
+Layout: ``<root>/step-000123/``. A ``sync`` checkpoint is one ``state.pt`` (torch.save of the full state).
+A ``dcp`` or ``async`` one is a torch.distributed.checkpoint directory (every rank its own ``.distcp``
+files, plus DCP's ``.metadata``) and ``extra.pt`` with everything that is not a tensor. What those files
+hold, version by version, is :mod:`traincore.checkpoint.format`.
+
+A checkpoint counts only once complete: rank 0 writes ``commit.json`` last, after every rank's writes are
+done. It holds the format version, the world size and, for every other file in the directory, its size
+and CRC32. A directory without it is torn (a crash mid-save): resume skips it and pruning deletes it.
+
+Why CRC32 and not sha256: the marker guards against accidents (a torn or truncated write, bit flips on
+disk or in a copy), not against an attacker. The size catches truncation; CRC32 catches every error burst
+up to 32 bits and any other corruption with probability 1 - 2**-32. It is not a security hash: whoever can
+write a file can forge its CRC. The exported model, which leaves the run, keeps sha256 (traincore.export).
+
+Files are written by traincore.checkpoint.writer, which checksums them on their way to disk. A write that
+fails (a full disk, an I/O error) raises :class:`CheckpointWriteError`, which names the file.
+"""
+
+from __future__ import annotations
+
+import errno
+import json
+import re
+import shutil
+import zlib
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from traincore.files import fsync_path, publish
+
+FORMAT_VERSION = 3  # 3: the state registry's members (2: fixed model/optim/extra layout; 1: sha256)
+READABLE_VERSIONS = (2, FORMAT_VERSION)  # traincore.checkpoint.format reads both
+MARKER = "commit.json"
+STATE_FILE = "state.pt"  # sync: the whole state
+EXTRA_FILE = "extra.pt"  # dcp / async: the non-tensor state
+_STEP_NAME = re.compile(r"^step-(\d+)$")
+_BLOCK = 8 << 20  # read size when checksumming a file
+MODES = ("sync", "dcp", "async")
+_CRC32 = re.compile(r"^[0-9a-f]{8}$")
+_MARKER_KEYS = {"format_version", "step", "mode", "world_size", "format", "checksum", "files"}
+
+
+class CheckpointError(ValueError):
+    """A checkpoint is missing, corrupt or does not fit this run; the message says which and what to do."""
+
+
+class CorruptCheckpointError(CheckpointError):
+    """A file of a complete checkpoint (its marker included) is missing, truncated, fails its checksum or
+    cannot be parsed."""
+
+
+class CheckpointWriteError(CheckpointError, OSError):
+    """Writing a checkpoint file failed (no space left, an I/O error); an OSError too, with its errno.
+
+    Picklable, so a failure on one rank reaches rank 0 through DCP's gather intact.
+    """
+
+    def __init__(self, message: str, error: int | None = None, filename: str | None = None):
+        super().__init__(message)
+        self.errno, self.strerror, self.filename = error, message, filename
+
+    def __str__(self) -> str:
+        return self.args[0]
+
+    def __reduce__(self) -> tuple:
+        return type(self), (self.args[0], self.errno, self.filename)
+
+
+def write_error(exc: OSError, path: str | Path) -> CheckpointWriteError:
+    """The CheckpointWriteError for ``exc``, raised while writing ``path``."""
+    if isinstance(exc, CheckpointWriteError):
+        return exc
+    if exc.errno in (errno.ENOSPC, errno.EDQUOT):
+        message = (f"no space left on device while writing {path}: free space or choose another checkpoint "
+                   "root")
+    else:
+        message = (f"writing checkpoint file {path} failed: {exc.strerror or exc}: check that disk and its "
+                   "permissions, or choose another checkpoint root")
+    return CheckpointWriteError(message, exc.errno, str(path))
+
+
+@contextmanager
+def writing(path: str | Path) -> Iterator[None]:
+    """Turn an OSError raised inside into a CheckpointWriteError naming ``path``."""
+    try:
+        yield
+    except OSError as exc:
+        raise write_error(exc, path) from exc
+
+
+# ---- step directories ----------------------------------------------------------------------------
+
+def step_dir(root: str | Path, step: int) -> Path:
+    """The directory of ``step`` under ``root``."""
+    return Path(root) / f"step-{step:06d}"
+
+
+def parse_step_name(name: str) -> int | None:
+    """The step of a step directory's name (``step-000123`` -> 123), or None for any other name."""
+    match = _STEP_NAME.match(name)
+    # Only the name step_dir() writes counts: "step-123" or "step-0000123" is not a checkpoint.
+    if match is None or name != step_dir("", int(match.group(1))).name:
+        return None
+    return int(match.group(1))
+
+
+def _step_dirs(root: str | Path) -> dict[int, Path]:
+    root = Path(root)
+    if not root.is_dir():
+        return {}
+    found = ((parse_step_name(p.name), p) for p in root.iterdir() if p.is_dir())
+    return {step: p for step, p in found if step is not None}
+
+
+def complete_steps(root: str | Path) -> list[int]:
+    """Steps under ``root`` that have a commit marker, oldest first; needs no process group."""
+    return sorted(step for step, path in _step_dirs(root).items() if (path / MARKER).is_file())
+
+
+def latest_complete(root: str | Path) -> Path | None:
+    """The newest complete step directory under ``root``, or None."""
+    steps = complete_steps(root)
+    return step_dir(root, steps[-1]) if steps else None
+
+
+# ---- checksums ------------------------------------------------------------
+
+def checksum_entry(crc: int, num_bytes: int) -> dict:
+    """A file's line in the commit marker."""
+    return {"bytes": num_bytes, "crc32": f"{crc:08x}"}
+
+
+def file_checksum(path: str | Path) -> dict:
+    """Size and CRC32 of a file as the commit marker records them, read in 8 MiB blocks."""
+    crc, num_bytes, block = 0, 0, bytearray(_BLOCK)
+    with open(path, "rb", buffering=0) as f:
+        while n := f.readinto(block):
+            crc = zlib.crc32(memoryview(block)[:n], crc)
+            num_bytes += n
+    return checksum_entry(crc, num_bytes)
+
+
+def load_file(path: Path) -> Any:
+    """A torch.save file, memory-mapped, restricted to weights_only; CorruptCheckpointError naming the file
+    when it is missing or torch.load cannot read it."""
+    try:
+        return torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+    except FileNotFoundError as exc:
+        raise CorruptCheckpointError(f"checkpoint file {path} is missing: resume from another step, or "
+                                     f"delete {path.parent}") from exc
+    except Exception as exc:  # torch.load's reader reports a damaged or foreign file as whatever it hit
+        raise CorruptCheckpointError(
+            f"checkpoint file {path} cannot be read by torch.load ({type(exc).__name__}, chained): it is "
+            f"damaged or was not written by traincore: resume from another step, or delete "
+            f"{path.parent}") from exc
+
+
+# ---- the commit marker ---------------------------------------------------------------------------
+
+def write_marker(directory: Path, step: int, mode: str, world_size: int, checksums: dict[str, dict]) -> int:
+    """Write the commit marker; returns the checkpoint's bytes.
+
+    ``checksums`` holds the entries every rank computed while writing; a file without one (DCP's small
+    ``.metadata``, renamed after it was written) is read here. Entries of files that no longer exist
+    (``.metadata.tmp``) are left out: the directory is the truth.
+    """
+    paths = {p.relative_to(directory).as_posix(): p for p in sorted(directory.rglob("*"))
+             if p.is_file() and p.name != MARKER}
+    files = {name: checksums[name] if name in checksums else file_checksum(path)
+             for name, path in paths.items()}
+    marker = {"format_version": FORMAT_VERSION, "step": step, "mode": mode, "world_size": world_size,
+              "format": "torch_save" if mode == "sync" else "dcp", "checksum": "crc32", "files": files}
+    tmp = directory / f".{MARKER}.tmp"
+    with writing(tmp):
+        tmp.write_text(json.dumps(marker, indent=1))
+        publish(tmp, directory / MARKER)
+    return sum(entry["bytes"] for entry in files.values())
+
+
+def read_marker(directory: str | Path) -> dict:
+    """The commit marker of a step directory, checked field by field.
+
+    CheckpointError when it is absent, unreadable, another program's or of a format version this code does
+    not read; CorruptCheckpointError (which resume answers by falling back) when it is damaged: not UTF-8,
+    not JSON, or a field of the wrong type.
+    """
+    directory = Path(directory)
+    path = directory / MARKER
+    try:
+        text = path.read_bytes().decode("utf-8")
+    except FileNotFoundError as exc:
+        raise CheckpointError(f"{directory} has no {MARKER}, so it is not a complete checkpoint (a save that "
+                              "did not finish, or a directory another program wrote): pass a step directory "
+                              "written by traincore.checkpoint.checkpointer") from exc
+    except OSError as exc:
+        raise CheckpointError(f"cannot read the commit marker {path} ({exc.strerror or exc}): check its "
+                              "permissions and the disk it is on") from exc
+    except UnicodeDecodeError as exc:
+        raise CorruptCheckpointError(f"commit marker {path} is corrupt: it is not text (byte {exc.start} is "
+                                     "not UTF-8): resume from another step, or delete "
+                                     f"{directory}") from exc
+    try:
+        marker = json.loads(text)
+    except json.JSONDecodeError as exc:
+        where = f"not valid JSON at line {exc.lineno} column {exc.colno}" if text.strip() else "it is empty"
+        raise CorruptCheckpointError(f"commit marker {path} is corrupt or truncated ({where}): resume from "
+                                     f"another step, or delete {directory}") from exc
+    if not isinstance(marker, dict) or len(_MARKER_KEYS & marker.keys()) < 3:
+        raise CheckpointError(f"{path} is not a traincore commit marker (a JSON {type(marker).__name__} "
+                              f"without the fields {', '.join(sorted(_MARKER_KEYS))}): another program wrote "
+                              "it: pass a step directory written by traincore, or use a fresh "
+                              "checkpoint root")
+    if "format_version" not in marker:  # most fields there: ours, damaged
+        raise CorruptCheckpointError(f"commit marker {path} is corrupt: it has no format_version: resume "
+                                     f"from another step, or delete {directory}")
+    version = marker["format_version"]
+    if version not in READABLE_VERSIONS:
+        raise CheckpointError(
+            f"{directory} has checkpoint format version {version!r}, this code reads version {FORMAT_VERSION}"
+            f" and the earlier {', '.join(map(str, READABLE_VERSIONS[:-1]))}: resume it "
+            "with the code that wrote it, or use a fresh checkpoint root")
+    problem = _marker_problem(marker)
+    if problem:
+        raise CorruptCheckpointError(f"commit marker {path} is corrupt: {problem}: resume from another step, "
+                                     f"or delete {directory}")
+    return marker
+
+
+def _is_int(value: Any, least: int = 0) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= least
+
+
+def _marker_problem(marker: dict) -> str | None:
+    """What is wrong with a marker of a readable version, or None."""
+    if not _is_int(marker.get("step")):
+        return f"step is {marker.get('step')!r}, not a step number"
+    if marker.get("mode") not in MODES:
+        return f"mode is {marker.get('mode')!r}, not one of {', '.join(MODES)}"
+    if not _is_int(marker.get("world_size"), 1):
+        return f"world_size is {marker.get('world_size')!r}, not a positive integer"
+    expected_format = "torch_save" if marker["mode"] == "sync" else "dcp"
+    if marker.get("format") != expected_format:
+        return f"format is {marker.get('format')!r}, mode {marker['mode']} writes {expected_format!r}"
+    files = marker.get("files")
+    if not isinstance(files, dict):
+        return f"files is a {type(files).__name__}, not a mapping of file names"
+    for name, entry in files.items():
+        parts = Path(name).parts
+        if not name or Path(name).is_absolute() or ".." in parts or name == MARKER:
+            return f"it lists the file {name!r}, which is no file of a step directory"
+        if not (isinstance(entry, dict) and _is_int(entry.get("bytes"))
+                and isinstance(entry.get("crc32"), str) and _CRC32.match(entry["crc32"])):
+            return f"the entry of {name} is {entry!r}, not {{'bytes': <size>, 'crc32': <8 hex digits>}}"
+    needed = [STATE_FILE] if expected_format == "torch_save" else [EXTRA_FILE, ".metadata"]
+    missing = [name for name in needed if name not in files]
+    if missing:
+        return f"it lists no {', '.join(missing)}, which a {marker['mode']} checkpoint holds"
+    return None
+
+
+def verify_checkpoint(directory: str | Path) -> None:
+    """Raise CorruptCheckpointError naming the first file whose size or CRC32 differs from the marker."""
+    directory = Path(directory)
+    for name, expected in read_marker(directory)["files"].items():
+        path = directory / name
+        size = path.stat().st_size if path.is_file() else None
+        if size != expected["bytes"]:
+            raise CorruptCheckpointError(f"checkpoint file {path} is missing or truncated: {size} bytes, the "
+                                         f"commit marker records {expected['bytes']}: resume from another "
+                                         f"step, or delete {directory}")
+        if file_checksum(path)["crc32"] != expected["crc32"]:
+            raise CorruptCheckpointError(f"checkpoint file {path} is corrupt: its CRC32 differs from the "
+                                         f"commit marker: resume from another step, or delete {directory}")
+
+
+# ---- pruning -------------------------------------------------------------------------------------
+
+def remove_step(directory: Path) -> None:
+    """Delete a step directory, complete or torn."""
+    # The marker goes first, and its removal reaches the disk before any other file goes: a crash (or power
+    # cut) half-way leaves a torn directory, never a complete-looking one with files missing.
+    marker = directory / MARKER
+    if marker.exists():
+        marker.unlink(missing_ok=True)
+        fsync_path(directory)
+    shutil.rmtree(directory, ignore_errors=True)
+
+
+def prune(root: Path, keep_last: int) -> None:
+    """Keep the newest ``keep_last`` complete steps; delete older ones and torn ones older than the newest."""
+    complete = complete_steps(root)
+    if not complete:
+        return
+    torn_older = [s for s in _step_dirs(root) if s < complete[-1] and s not in complete]
+    for step in complete[:-keep_last] + torn_older:
+        remove_step(step_dir(root, step))

@@ -1,0 +1,266 @@
+"""Memory-mapped reader and the resumable, world-size-independent training loader.
+
+Order: every epoch has one global permutation, seeded by (seed, epoch). Step ``k`` of an epoch takes the
+next ``batch_size * world_size`` positions of it and gives rank ``r`` the ``r``-th block of ``batch_size``.
+The loader's whole state is therefore (seed, epoch, samples consumed globally): it does not depend on the
+world size, so a run saved on 2 ranks resumes on 1 or 3 and still sees every remaining sample exactly once.
+
+End of epoch: with ``drop_last`` (the default) the final partial global batch is skipped for that epoch
+(it is a different set of samples each epoch). Without it, the final partial global batch is padded to a
+multiple of the world size with samples from the start of the permutation (at most world_size - 1
+repeats, as DistributedSampler does) and split evenly, so every rank takes the same number of steps.
+
+Batches leave the host as uint8 (4x fewer bytes than float32); :class:`Normalizer` turns them into
+normalised float32 on the training device. On CUDA a side-stream prefetcher overlaps the copy.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import weakref
+from collections.abc import Iterator
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from traincore.config import LoaderConfig
+from traincore.data.manifest import Manifest, StagingError, check_size, read_labels, verify_images
+
+log = logging.getLogger(__name__)
+Batch = tuple[torch.Tensor, torch.Tensor]
+
+
+class StagedSplit:
+    """One split of a staged dataset, memory-mapped and checked on open (data.manifest: sizes and labels
+    every time, image sha256 once per staging, recorded in ``verified.json``)."""
+
+    def __init__(self, directory: str | Path, split: str, verify_hashes: bool = False):
+        self.directory = Path(directory)
+        self.manifest = Manifest.load(self.directory)
+        if split not in self.manifest.splits:
+            raise StagingError(f"split {split!r} is not in {directory}; it has "
+                               f"{', '.join(self.manifest.splits)}")
+        self.split = split
+        info = self.manifest.splits[split]
+        if info.count == 0:
+            raise StagingError(f"split {split!r} of {directory} is empty: stage with a non-zero "
+                               f"{split}_fraction")
+        shape = self.manifest.shape
+        self._images, self._labels = [], []
+        for shard in info.shards:
+            check_size(self.directory / shard.images, shard.count * self.manifest.sample_bytes)
+            self._labels.append(read_labels(self.directory, self.manifest, shard))
+        # Hashes the image shards only if no record vouches for them (or always, with verify_hashes).
+        verify_images(self.directory, self.manifest, [split], force=verify_hashes)
+        for shard in info.shards:
+            # A plain ndarray view of the map: numpy's memmap subclass adds per-call overhead to every take.
+            mapped = np.memmap(self.directory / shard.images, np.uint8, "r", shape=(shard.count, *shape))
+            self._images.append(np.asarray(mapped))
+        self._offsets = np.cumsum([0] + [s.count for s in info.shards])
+        self.labels = np.concatenate(self._labels)
+
+    def verify(self) -> None:
+        """Hash every shard of this split again, whatever the record says; StagingError on a mismatch."""
+        for shard in self.manifest.splits[self.split].shards:
+            read_labels(self.directory, self.manifest, shard)
+        verify_images(self.directory, self.manifest, [self.split], force=True)
+
+    def __len__(self) -> int:
+        return int(self._offsets[-1])
+
+    def read(self, indices: np.ndarray, pin_memory: bool = False) -> Batch:
+        """Gather samples by global index (sorted for locality): uint8 NCHW images and int64 labels."""
+        indices = np.sort(np.asarray(indices, dtype=np.int64))
+        if len(indices) and (indices[0] < 0 or indices[-1] >= len(self)):
+            raise IndexError(f"sample indices must be in [0, {len(self)}), got {indices[0]}..{indices[-1]}")
+        images = torch.empty((len(indices), *self.manifest.shape), dtype=torch.uint8, pin_memory=pin_memory)
+        out = images.numpy()
+        # The indices are sorted, so each shard's samples form one slice of them.
+        bounds = np.searchsorted(indices, self._offsets).tolist()
+        for shard, (lo, hi) in enumerate(itertools.pairwise(bounds)):
+            if hi > lo:
+                # mode="clip" writes straight into ``out`` (the default "raise" buffers a second copy);
+                # the bounds were checked above.
+                self._images[shard].take(indices[lo:hi] - self._offsets[shard], axis=0, out=out[lo:hi],
+                                         mode="clip")
+        return images, torch.from_numpy(self.labels[indices])
+
+    __getitems__ = read  # lets torch's DataLoader fetch a whole batch in one call
+
+
+class Normalizer:
+    """uint8 NCHW -> float32 ``(x / 255 - mean) / std``, applied on the device that trains."""
+
+    def __init__(self, mean: list[float], std: list[float], device: torch.device | str = "cpu"):
+        std_t = torch.tensor(std, dtype=torch.float32, device=device).view(1, -1, 1, 1)
+        mean_t = torch.tensor(mean, dtype=torch.float32, device=device).view(1, -1, 1, 1)
+        self.scale, self.shift = 1.0 / (255.0 * std_t), -mean_t / std_t
+
+    def __call__(self, images: torch.Tensor) -> torch.Tensor:
+        return images.to(torch.float32).mul_(self.scale).add_(self.shift)
+
+
+def global_order(num_samples: int, seed: int, epoch: int, shuffle: bool) -> np.ndarray:
+    """The epoch's global sample order, identical on every rank and every world size."""
+    if not shuffle:
+        return np.arange(num_samples, dtype=np.int64)
+    return np.random.default_rng([seed, epoch]).permutation(num_samples)
+
+
+def rank_batches(order: np.ndarray, start: int, batch_size: int, rank: int, world_size: int,
+                 drop_last: bool) -> Iterator[np.ndarray]:
+    """This rank's index blocks from global position ``start`` to the end of the epoch."""
+    total, step = len(order), batch_size * world_size
+    for pos in range(start, total, step):
+        if pos + step <= total:
+            yield order[pos + rank * batch_size: pos + (rank + 1) * batch_size]
+        elif not drop_last:
+            tail = order[pos:]
+            padded = np.concatenate([tail, order[: -len(tail) % world_size]])
+            share = len(padded) // world_size
+            yield padded[rank * share:(rank + 1) * share]
+
+
+class _EpochSampler:
+    """Batch sampler handed to torch's DataLoader; reads the loader's position each time it is iterated.
+
+    It holds the loader weakly: a loader <-> DataLoader cycle would leave persistent workers to the cyclic
+    garbage collector, which closes their queues first and then waits seconds per worker to join them.
+    """
+
+    def __init__(self, loader: StagedLoader):
+        self._loader = weakref.ref(loader)
+
+    def __iter__(self) -> Iterator[np.ndarray]:
+        return self._loader().index_batches()
+
+    def __len__(self) -> int:
+        return self._loader().steps_per_epoch
+
+
+def _as_batch(batch: Batch) -> Batch:
+    return batch
+
+
+class StagedLoader:
+    """Training loader over one split: sharded, resumable, world-size independent.
+
+    Iterating yields normalised batches on ``device`` for the rest of the current epoch, then advances
+    the epoch. ``state_dict()`` records only batches that the caller has actually received.
+    """
+
+    def __init__(self, split: StagedSplit, cfg: LoaderConfig, *, rank: int = 0, world_size: int = 1,
+                 seed: int = 0, device: torch.device | str = "cpu"):
+        if not 0 <= rank < world_size:
+            raise ValueError(f"rank {rank} is outside world size {world_size}")
+        self.split, self.cfg = split, cfg
+        self.rank, self.world_size, self.seed = rank, world_size, seed
+        self.device = torch.device(device)
+        self.epoch, self.consumed = 0, 0
+        self.normalize = Normalizer(split.manifest.mean, split.manifest.std, self.device)
+        global_batch = cfg.batch_size * world_size
+        if cfg.drop_last and len(split) < global_batch:
+            raise ValueError(f"loader.batch_size={cfg.batch_size} x {world_size} ranks = {global_batch} "
+                             f"exceeds the {len(split)} {split.split} samples: lower loader.batch_size "
+                             "or set drop_last off")
+        self._pin = cfg.pin_memory and self.device.type == "cuda"
+        self._dataloader = self._make_dataloader() if cfg.num_workers > 0 else None
+
+    @property
+    def global_batch_size(self) -> int:
+        return self.cfg.batch_size * self.world_size
+
+    @property
+    def steps_per_epoch(self) -> int:
+        full, rest = divmod(len(self.split), self.global_batch_size)
+        return full if self.cfg.drop_last or rest == 0 else full + 1
+
+    def _make_dataloader(self) -> torch.utils.data.DataLoader:
+        return torch.utils.data.DataLoader(
+            self.split, batch_sampler=_EpochSampler(self), collate_fn=_as_batch,
+            num_workers=self.cfg.num_workers, prefetch_factor=self.cfg.prefetch_factor,
+            persistent_workers=self.cfg.persistent_workers, pin_memory=self._pin)
+
+    def index_batches(self) -> Iterator[np.ndarray]:
+        """This rank's index batches from the current position to the end of the epoch."""
+        order = global_order(len(self.split), self.seed, self.epoch, self.cfg.shuffle)
+        return rank_batches(order, self.consumed, self.cfg.batch_size, self.rank, self.world_size,
+                            self.cfg.drop_last)
+
+    def host_batches(self) -> Iterator[Batch]:
+        """uint8 batches on the host for the rest of the epoch, advancing the position as each is taken."""
+        source = (iter(self._dataloader) if self._dataloader is not None else
+                  (self.split.read(idx, self._pin) for idx in self.index_batches()))
+        for batch in source:
+            self.consumed = min(self.consumed + self.global_batch_size, len(self.split))
+            yield batch
+        self.epoch, self.consumed = self.epoch + 1, 0
+
+    def __iter__(self) -> Iterator[Batch]:
+        if self.device.type == "cuda" and self.cfg.device_prefetch:
+            return _CudaPrefetcher(self.host_batches(), self.device, self.normalize)
+        return ((self.normalize(x.to(self.device)), y.to(self.device)) for x, y in self.host_batches())
+
+    def __len__(self) -> int:
+        return self.steps_per_epoch
+
+    def state_dict(self) -> dict[str, int]:
+        return {"seed": self.seed, "epoch": self.epoch, "consumed": self.consumed,
+                "num_samples": len(self.split)}
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        """Continue the saved global order; the world size may differ from the one that saved it."""
+        if state["num_samples"] != len(self.split):
+            raise ValueError(f"the saved loader position is for {state['num_samples']} samples but this "
+                             f"{self.split.split} split has {len(self.split)}: "
+                             "resume on the same staged dataset")
+        if state["seed"] != self.seed:
+            log.warning("loader seed %d from the checkpoint replaces the configured seed %d",
+                        state["seed"], self.seed)
+        self.seed, self.epoch, self.consumed = state["seed"], state["epoch"], state["consumed"]
+
+
+class _CudaPrefetcher:
+    """Copies batch k+1 host->device on a side stream and normalises it there while batch k trains."""
+
+    def __init__(self, batches: Iterator[Batch], device: torch.device, normalize: Normalizer):
+        self.batches, self.device, self.normalize = batches, device, normalize
+        self.stream = torch.cuda.Stream(device)
+        self._next: Batch | None = None
+        self._preload()
+
+    def _preload(self) -> None:
+        try:
+            images, labels = next(self.batches)
+        except StopIteration:
+            self._next = None
+            return
+        with torch.cuda.stream(self.stream):
+            images = images.to(self.device, non_blocking=True)
+            self._next = (self.normalize(images), labels.to(self.device, non_blocking=True))
+
+    def __iter__(self) -> _CudaPrefetcher:
+        return self
+
+    def __next__(self) -> Batch:
+        current = torch.cuda.current_stream(self.device)
+        current.wait_stream(self.stream)
+        if self._next is None:
+            raise StopIteration
+        images, labels = self._next
+        # The tensors were made on the side stream; tell the allocator the main stream uses them now.
+        images.record_stream(current)
+        labels.record_stream(current)
+        self._preload()
+        return images, labels
+
+
+def eval_batches(split: StagedSplit, batch_size: int, *, rank: int = 0,
+                 world_size: int = 1) -> Iterator[Batch]:
+    """This rank's contiguous share of the split in order, without padding, as uint8 host batches."""
+    per_rank = -(-len(split) // world_size)
+    lo, hi = rank * per_rank, min((rank + 1) * per_rank, len(split))
+    for start in range(lo, hi, batch_size):
+        yield split.read(np.arange(start, min(start + batch_size, hi)))

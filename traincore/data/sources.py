@@ -1,0 +1,157 @@
+"""Built-in dataset sources and the split arithmetic every source shares.
+
+A source is ``Source(class names, sample count, chunks)``: the chunks are ``(split, images uint8 NCHW,
+labels int64)`` in split order, each split's samples fixed by ``cfg.seed``, each at most CHUNK_BYTES of
+pixels (at least one image), so staging memory does not grow with the image size or the sample count.
+traincore.data.imagefolder adds the ImageFolder source; traincore.stage picks one by ``cfg.source`` and writes
+its chunks.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import NamedTuple
+
+import numpy as np
+
+from traincore.config import DataConfig
+from traincore.data.manifest import StagingError
+
+Chunk = tuple[str, np.ndarray, np.ndarray]
+CHUNK_BYTES = 64 << 20  # pixels per chunk (and per float32 resize group): memory is bounded by this, not N
+BAND = 1 << 20  # float values per arithmetic band of the synthetic source (8 MiB of float64 noise)
+
+
+class Source(NamedTuple):
+    """What a source gives the stager: class names, the total sample count and the chunk stream."""
+
+    classes: list[str]
+    count: int
+    chunks: Iterator[Chunk]
+
+
+def split_counts(total: int, cfg: DataConfig) -> dict[str, int]:
+    """Deterministic split sizes; every split with a non-zero fraction gets at least one sample."""
+    n_test = max(1, round(total * cfg.test_fraction)) if cfg.test_fraction > 0 else 0
+    n_val = max(1, round(total * cfg.val_fraction)) if cfg.val_fraction > 0 else 0
+    n_train = total - n_val - n_test
+    if n_train < 1:
+        raise StagingError(f"{total} samples leave no training split with val_fraction={cfg.val_fraction} "
+                           f"and test_fraction={cfg.test_fraction}: add data or lower the fractions")
+    return {"train": n_train, "val": n_val, "test": n_test}
+
+
+def chunk_images(sample_bytes: int, cap: int) -> int:
+    """Images per chunk: at most ``cap`` and at most CHUNK_BYTES of uint8 pixels, but at least one."""
+    return max(1, min(cap, CHUNK_BYTES // max(sample_bytes, 1)))
+
+
+def _resize_batch(images: np.ndarray, size: int) -> np.ndarray:
+    """Bilinear-resize an NCHW batch to size x size and quantise to uint8.
+
+    Resized plane by plane in groups of at most CHUNK_BYTES of float32, so memory stays bounded however
+    large ``size`` is (channels and images are resized independently: the bytes do not depend on grouping).
+    """
+    import torch
+    import torch.nn.functional as F
+
+    n, c, h, w = images.shape
+    planes = np.asarray(images, dtype=np.float32).reshape(n * c, 1, h, w)
+    out = np.empty((n * c, size, size), dtype=np.uint8)
+    step = max(1, CHUNK_BYTES // (4 * size * size))
+    for lo in range(0, n * c, step):
+        tensor = torch.from_numpy(np.ascontiguousarray(planes[lo:lo + step]))
+        if h != size or w != size:
+            tensor = F.interpolate(tensor, size=(size, size), mode="bilinear", align_corners=False)
+            tensor.round_()
+        else:
+            tensor = tensor.round()  # never round the caller's array in place
+        out[lo:lo + step] = tensor.clamp_(0, 255).to(torch.uint8).numpy()[:, 0]
+    return out.reshape(n, c, size, size)
+
+
+def digits_source(cfg: DataConfig) -> Source:
+    """scikit-learn's bundled 8x8 digits (1797 real images), upscaled to ``cfg.image_size``."""
+    from sklearn.datasets import load_digits
+
+    bunch = load_digits()
+    images = bunch.images.astype(np.float32) * (255.0 / 16.0)  # pixel values are 0..16
+    labels = bunch.target.astype(np.int64)
+    order = np.random.default_rng(cfg.seed).permutation(len(labels))
+    images = np.repeat(images[order][:, None], cfg.channels, axis=1)
+    labels = labels[order]
+    per_chunk = chunk_images(cfg.channels * cfg.image_size ** 2, 512)
+
+    def chunks() -> Iterator[Chunk]:
+        start = 0
+        for split, count in split_counts(len(labels), cfg).items():
+            for lo in range(start, start + count, per_chunk):
+                hi = min(lo + per_chunk, start + count)
+                yield split, _resize_batch(images[lo:hi], cfg.image_size), labels[lo:hi]
+            start += count
+
+    return Source([str(d) for d in range(10)], len(labels), chunks())
+
+
+class _Templates:
+    """The synthetic source's per-class uint8 templates: all of them when they fit in CHUNK_BYTES, else
+    made on demand and cached up to that many bytes (a 4096 x 4096 RGB template alone is 48 MiB)."""
+
+    def __init__(self, coarse: np.ndarray, size: int):
+        self.coarse, self.size = coarse, size
+        sample = coarse.shape[1] * size * size
+        self.capacity = max(1, CHUNK_BYTES // sample)
+        self.all: np.ndarray | None = None  # made on first use: a failing staging never resizes anything
+        self.cache: dict[int, np.ndarray] = {}
+
+    def rows(self, labels: np.ndarray, lo: int, hi: int) -> np.ndarray:
+        """float32 pixels ``lo:hi`` (flattened CHW) of each label's template."""
+        if len(self.coarse) <= self.capacity:
+            if self.all is None:
+                self.all = _resize_batch(self.coarse, self.size).reshape(len(self.coarse), -1)
+            return self.all[labels, lo:hi].astype(np.float32)
+        return np.stack([self._one(int(label))[lo:hi] for label in labels]).astype(np.float32)
+
+    def _one(self, label: int) -> np.ndarray:
+        if label not in self.cache:
+            if len(self.cache) >= self.capacity:
+                self.cache.pop(next(iter(self.cache)))
+            self.cache[label] = _resize_batch(self.coarse[label:label + 1], self.size).reshape(-1)
+        return self.cache[label]
+
+
+def synthetic_source(cfg: DataConfig) -> Source:
+    """Learnable synthetic images: a smooth per-class template plus per-sample noise and brightness.
+
+    Memory is bounded whatever the image size: chunks hold at most CHUNK_BYTES of pixels and the float
+    arithmetic runs in bands of BAND values, drawing the noise in the same order as one draw per chunk.
+    """
+    rng = np.random.default_rng(cfg.seed)
+    coarse = rng.uniform(0, 255, size=(cfg.synthetic_classes, cfg.channels, 4, 4)).astype(np.float32)
+    templates = _Templates(coarse, cfg.image_size)
+    sample = cfg.channels * cfg.image_size ** 2
+    per_chunk = chunk_images(sample, 1024)
+    per_band = max(1, BAND // sample)  # whole images per band; one image is split into bands if larger
+    shape = (cfg.channels, cfg.image_size, cfg.image_size)
+
+    def chunks() -> Iterator[Chunk]:
+        for split_index, (split, count) in enumerate(split_counts(cfg.synthetic_samples, cfg).items()):
+            for chunk_index, lo in enumerate(range(0, count, 1024)):
+                n = min(1024, count - lo)
+                # Each chunk has its own generator: its bytes do not depend on how many chunks came before.
+                local = np.random.default_rng([cfg.seed, split_index, chunk_index])
+                labels = local.integers(0, cfg.synthetic_classes, size=n, dtype=np.int64)
+                gain = local.uniform(0.7, 1.3, size=(n, 1, 1, 1)).astype(np.float32).reshape(n, 1)
+                for first in range(0, n, per_chunk):
+                    last = min(first + per_chunk, n)
+                    images = np.empty((last - first, sample), dtype=np.uint8)
+                    for i in range(first, last, per_band):
+                        j = min(i + per_band, last)
+                        for a in range(0, sample, BAND):
+                            b = min(a + BAND, sample)
+                            noise = local.normal(0, 40, size=(j - i, b - a)).astype(np.float32)
+                            values = templates.rows(labels[i:j], a, b) * gain[i:j] + noise
+                            images[i - first:j - first, a:b] = np.clip(values, 0, 255, out=values)
+                    yield split, images.reshape(last - first, *shape), labels[first:last]
+
+    return Source([f"class_{k}" for k in range(cfg.synthetic_classes)], cfg.synthetic_samples, chunks())

@@ -1,0 +1,75 @@
+"""Durable files: atomic publication (temporary sibling, fsync, rename, fsync of the directory) and sha256.
+
+Every writer that publishes a file or a directory (checkpoints, sinks, the registry, staged data, exports)
+goes through these, so "a reader sees the old version or the whole new one, never a torn one" holds in one
+place.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import uuid
+from pathlib import Path
+
+_BLOCK = 8 << 20
+
+
+def fsync_path(path: str | Path) -> None:
+    """fsync a file or a directory by path (a directory's fsync makes a rename inside it durable)."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def publish(tmp: str | Path, path: str | Path) -> None:
+    """Make ``tmp`` durable and rename it to ``path``: readers see the old file or the whole new one."""
+    fsync_path(tmp)
+    os.replace(tmp, path)
+    fsync_path(Path(path).parent)  # the rename itself
+
+
+def publish_directory(partial: str | Path, target: str | Path) -> None:
+    """Rename a fully written directory into place and make the rename durable.
+
+    ``os.rename`` fails on an existing, non-empty ``target``: a published directory is never replaced by
+    this call (callers that mean to replace one move the old one aside first)."""
+    os.rename(partial, target)
+    fsync_path(Path(target).parent)
+
+
+def temporary_sibling(path: str | Path) -> Path:
+    """A hidden, unique name beside ``path`` to write into before :func:`publish`."""
+    path = Path(path)
+    return path.with_name(f".{path.name}.{os.getpid()}-{uuid.uuid4().hex[:8]}.tmp")
+
+
+def write_atomically(path: str | Path, data: str | bytes) -> None:
+    """Write ``data`` to ``path`` through a temporary sibling; nothing half-written is ever visible there."""
+    tmp = temporary_sibling(path)
+    try:
+        with open(tmp, "wb") as handle:
+            handle.write(data.encode() if isinstance(data, str) else data)
+        publish(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def write_durably(path: str | Path, data: str | bytes) -> None:
+    """Write ``data`` to ``path`` and fsync it (for a file inside a directory that is published later)."""
+    with open(path, "wb") as handle:
+        handle.write(data.encode() if isinstance(data, str) else data)
+        handle.flush()
+        os.fsync(handle.fileno())
+
+
+def sha256_file(path: str | Path) -> str:
+    """Hex sha256 of a file, read in 8 MiB blocks."""
+    digest = hashlib.sha256()
+    with open(path, "rb") as handle:
+        while block := handle.read(_BLOCK):
+            digest.update(block)
+    return digest.hexdigest()

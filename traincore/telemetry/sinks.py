@@ -1,0 +1,213 @@
+"""Metric sinks for rank 0: JSONL always, TensorBoard and Weights & Biases as configured.
+
+Each sink takes ``log(step, metrics, kind)``, ``resumed_at(step)`` and ``close()``; :func:`build_sinks`
+opens the set a :class:`~traincore.config.TelemetryConfig` asks for.
+
+Resuming: an attempt killed after its last checkpoint (step S) had already logged steps S+1..K, and the
+resumed attempt trains and logs them again. ``resumed_at(S)`` (called by Telemetry once the checkpoint is
+loaded, with S=0 for a fresh start) makes every step appear once: JSONL drops its records of steps > S,
+TensorBoard opens its writer with ``purge_step=S+1`` so readers hide the orphaned events, and W&B needs
+nothing (every attempt is a run of its own).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from pathlib import Path
+from typing import BinaryIO, Protocol
+
+from traincore.config import TelemetryConfig
+from traincore.files import publish, temporary_sibling
+
+
+class MetricSink(Protocol):
+    """Where rank 0 sends metrics; ``kind`` is "train", "eval" or "startup" (once per attempt)."""
+
+    def log(self, step: int, metrics: dict[str, float], kind: str = "train") -> None: ...
+
+    def resumed_at(self, step: int) -> None: ...
+
+    def close(self) -> None: ...
+
+
+class JsonlSink:
+    """``<output>/metrics.jsonl``: one JSON object per line, flushed at once so a crash loses nothing."""
+
+    RESERVED = ("step", "time", "kind")
+
+    def __init__(self, output_dir: str | Path) -> None:
+        self.path = Path(output_dir) / "metrics.jsonl"
+        self._file = open(self.path, "a", encoding="utf-8")  # append: a resumed run continues the file
+
+    def log(self, step: int, metrics: dict[str, float], kind: str = "train") -> None:
+        """Append one record ``{"step", "time", "kind", **metrics}``."""
+        clash = [name for name in self.RESERVED if name in metrics]
+        if clash:
+            raise ValueError(f"metric names {clash} are reserved in metrics.jsonl; rename them")
+        record = {"step": step, "time": time.time(), "kind": kind, **metrics}
+        self._file.write(json.dumps(record) + "\n")
+        self._file.flush()
+
+    def resumed_at(self, step: int) -> None:
+        """Drop the records of steps after ``step`` (and a torn last line): the resumed run logs them again.
+
+        The file is rewritten only when something is dropped, atomically (a temporary sibling, fsync'd,
+        renamed over it), so a crash during the rewrite leaves either the old file or the new one. The lines
+        before the first dropped one are copied as they are, without parsing them twice.
+        """
+        self._file.close()
+        with open(self.path, "rb") as old:
+            kept_bytes = 0
+            for line in old:
+                if not (line.endswith(b"\n") and _keeps(line, step)):
+                    break
+                kept_bytes += len(line)
+            else:
+                kept_bytes = None  # nothing to drop
+            if kept_bytes is not None:
+                old.seek(0)
+                _replace_atomically(self.path, old, kept_bytes, step)
+        self._file = open(self.path, "a", encoding="utf-8")
+
+    def close(self) -> None:
+        """Close the file (idempotent)."""
+        self._file.close()
+
+
+class TensorBoardSink:
+    """``<output>/tensorboard`` event files; scalars under ``train/...`` and ``eval/...``.
+
+    One event per ``log`` holds all its scalars (:class:`~.tfevents.EventFile`): one checksummed
+    record per interval instead of one per scalar keeps a small model's step within a few percent of a bare
+    loop's (bench/step.py).
+
+    The event file opens at the first ``log``, so that a resume can still set the purge step: the file then
+    starts with a session-start event at that step, and TensorBoard discards the events of that step and
+    later ones that came before it (the killed attempt's), in every earlier event file of the directory.
+    TensorBoard reads the first session start of a directory as the beginning and only later ones as
+    restarts, so a fresh run opens with one too (``resumed_at(0)``: purge step 1).
+    """
+
+    def __init__(self, output_dir: str | Path) -> None:
+        # Imported here: runs without TensorBoard never load its protobuf modules.
+        from traincore.telemetry.tfevents import EventFile
+
+        self._event_file_class = EventFile
+        self.directory = Path(output_dir) / "tensorboard"
+        self._file = None
+        self._purge_step: int | None = None
+
+    def log(self, step: int, metrics: dict[str, float], kind: str = "train") -> None:
+        """Write one event with a scalar per metric."""
+        if self._file is None:
+            self._file = self._event_file_class(self.directory, self._purge_step)
+        self._file.add_scalars(step, {f"{kind}/{name}": value for name, value in metrics.items()})
+
+    def resumed_at(self, step: int) -> None:
+        """Hide the events of steps after ``step``: the next event file opens with purge step ``step + 1``."""
+        self._purge_step = step + 1
+        if self._file is not None:  # something was logged before the resume: start a new event file
+            self._file.close()
+            self._file = None
+
+    def close(self) -> None:
+        """Close the event file (idempotent)."""
+        if self._file is not None:
+            self._file.close()
+
+
+def resolve_wandb_key(mode: str) -> str | None:
+    """The W&B API key for ``mode``: from WANDB_API_KEY or the file named by WANDB_API_KEY_FILE.
+
+    Only "online" needs one; it raises ValueError without one, so the run fails before training.
+    The key itself never appears in a message.
+    """
+    if mode != "online":
+        return None
+    key = os.environ.get("WANDB_API_KEY", "").strip()
+    key_file = os.environ.get("WANDB_API_KEY_FILE", "")
+    if not key and key_file:
+        try:
+            key = Path(key_file).read_text(encoding="utf-8").strip()
+        except OSError as exc:
+            raise ValueError(f"WANDB_API_KEY_FILE={key_file!r} cannot be read ({exc.strerror}); "
+                             "mount the secret at that path or set WANDB_API_KEY") from None
+    if not key:
+        raise ValueError("telemetry.wandb_mode='online' needs a W&B API key: set WANDB_API_KEY or "
+                         "WANDB_API_KEY_FILE (a mounted secret file), or use wandb_mode='offline' "
+                         "(no network, sync later) or 'disabled'")
+    return key
+
+
+class WandbSink:
+    """A Weights & Biases run under ``<output>/wandb``; "offline" needs neither network nor key."""
+
+    def __init__(self, output_dir: str | Path, cfg: TelemetryConfig, run_config: dict) -> None:
+        import wandb
+
+        key = resolve_wandb_key(cfg.wandb_mode)
+        if cfg.wandb_mode == "offline":
+            # wandb's process-wide analytics follow the global settings, not the run's mode: without
+            # this, an offline run still probes the W&B server over the network.
+            wandb.setup(wandb.Settings(mode="offline"))
+        # The key goes through Settings, never the environment or the run config, so it is not
+        # inherited by child processes or stored with the run.
+        settings = wandb.Settings(api_key=key) if key else None
+        self._run = wandb.init(mode=cfg.wandb_mode, dir=str(output_dir), project=cfg.wandb_project,
+                               config=run_config, settings=settings)
+        self._closed = False
+
+    def log(self, step: int, metrics: dict[str, float], kind: str = "train") -> None:
+        """Log ``kind/name`` scalars at ``step``."""
+        self._run.log({f"{kind}/{name}": value for name, value in metrics.items()}, step=step)
+
+    def resumed_at(self, step: int) -> None:
+        """Nothing to drop: every attempt logs to a W&B run of its own, starting after ``step``."""
+
+    def close(self) -> None:
+        """Finish the run (idempotent)."""
+        if not self._closed:
+            self._closed = True
+            self._run.finish()
+
+
+def _keeps(line: bytes, step: int) -> bool:
+    """Whether a metrics.jsonl line stays when a run resumes after ``step``: not torn nor of a later step."""
+    try:
+        record = json.loads(line)
+    except ValueError:  # torn by a crash mid-write (or not text at all)
+        return False
+    return not (isinstance(record, dict) and isinstance(record.get("step"), int) and record["step"] > step)
+
+
+def _replace_atomically(path: Path, old: BinaryIO, prefix: int, step: int) -> None:
+    """Rewrite ``path`` as the first ``prefix`` bytes of ``old`` and then its later lines that
+    :func:`_keeps`, through a temporary sibling that is fsync'd and renamed over ``path``."""
+    tmp = temporary_sibling(path)
+    with open(tmp, "wb") as new:
+        while prefix:
+            block = old.read(min(prefix, 1 << 20))
+            new.write(block)
+            prefix -= len(block)
+        for line in old:
+            if _keeps(line, step):
+                new.write(line if line.endswith(b"\n") else line + b"\n")
+    publish(tmp, path)
+
+
+def build_sinks(cfg: TelemetryConfig, output_dir: str | Path, run_config: dict) -> list[MetricSink]:
+    """JSONL always, then TensorBoard and W&B as configured; closes what it opened if one fails."""
+    Path(output_dir).mkdir(parents=True, exist_ok=True)
+    sinks: list[MetricSink] = [JsonlSink(output_dir)]
+    try:
+        if cfg.tensorboard:
+            sinks.append(TensorBoardSink(output_dir))
+        if cfg.wandb_mode != "disabled":
+            sinks.append(WandbSink(output_dir, cfg, run_config))
+    except BaseException:
+        for sink in sinks:
+            sink.close()
+        raise
+    return sinks
