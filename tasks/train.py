@@ -35,7 +35,8 @@ from traincore.config import Config
 from traincore.launch import settle_worker, worker_threads
 from traincore.preflight import preflight
 from traincore.telemetry.startup import process_start_time
-from traincore.train import Trainer, format_summary
+from traincore.telemetry.summary import format_summary
+from traincore.train import Trainer
 
 WANDB_SECRET = Secret(group="wandb", key="api_key", mount_requirement=Secret.MountType.FILE)
 CPU_PER_PROCESS, MEM_GIB_PER_PROCESS = 2, 6

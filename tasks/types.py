@@ -19,7 +19,7 @@ from traincore.data.manifest import Manifest
 from traincore.evaluate import EvalResult
 from traincore.export import ExportResult
 from traincore.lineage import Lineage
-from traincore.train import TrainSummary
+from traincore.telemetry.summary import TrainSummary
 
 
 @dataclass

@@ -16,8 +16,8 @@ from importlib import metadata
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-if TYPE_CHECKING:  # traincore.train imports torch and the whole loop; reading lineage needs neither
-    from traincore.train import TrainSummary
+if TYPE_CHECKING:
+    from traincore.telemetry.summary import TrainSummary
 
 LINEAGE_FILE = "lineage.json"  # beside model.safetensors in an export directory and a registry version
 PACKAGE = "flyte-torch-pipeline"

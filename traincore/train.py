@@ -24,7 +24,6 @@ import sys
 import time
 from collections.abc import Iterator
 from contextlib import ExitStack, contextmanager
-from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -48,26 +47,9 @@ from traincore.telemetry.metrics import peak_flops, training_flops_per_sample
 from traincore.telemetry.profiling import ProfilerWindow
 from traincore.telemetry.reporting import Telemetry, Workload, setup_logging
 from traincore.telemetry.startup import StartupClock, process_start_time
+from traincore.telemetry.summary import TrainSummary, format_summary
 
 log = logging.getLogger(__name__)
-
-
-@dataclass
-class TrainSummary:
-    """What a finished run reports; throughput and data-wait figures cover every attempt of the run."""
-
-    steps: int
-    samples_per_s: float
-    data_wait_share: float
-    final_loss: float
-    val_accuracy: float | None
-    resumed_from: int | None
-    checkpoint_dir: str
-    output_dir: str
-    wall_s: float
-    world_size: int = 1
-    startup_s: dict[str, float] = field(default_factory=dict)
-    """This attempt's start-up phases in seconds (imports, preflight, ..., first step), in order."""
 
 
 @contextmanager
@@ -329,19 +311,6 @@ def build_config(args: argparse.Namespace) -> Config:
     except ConfigError as exc:
         flag = next((flag for field, flag in _FLAGS.items() if str(exc).startswith(f"{field}=")), None)
         raise (ConfigError(f"{flag}: {exc}") if flag else exc) from exc
-
-
-def format_summary(summary: TrainSummary) -> str:
-    """The one line a user reads at the end of training."""
-    val = f"{summary.val_accuracy:.3f}" if summary.val_accuracy is not None else "n/a"
-    if summary.resumed_from == summary.steps:
-        return (f"nothing to train: step {summary.steps} was already reached (checkpoints in "
-                f"{summary.checkpoint_dir}); val accuracy {val}. Raise --max-steps/--epochs to train on")
-    resumed = f", resumed from step {summary.resumed_from}" if summary.resumed_from else ""
-    return (f"trained {summary.steps} steps in {summary.wall_s:.1f} s{resumed}: "
-            f"{summary.samples_per_s:,.0f} samples/s, data-wait {100 * summary.data_wait_share:.1f}%, "
-            f"final loss {summary.final_loss:.4f}, val accuracy {val}; "
-            f"checkpoints in {summary.checkpoint_dir}")
 
 
 USAGE_ERRORS = (ConfigError, StagingError, CheckpointError, ValueError, OSError)

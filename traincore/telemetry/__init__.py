@@ -5,4 +5,5 @@
     sinks      metric sinks on rank 0: JSONL always, TensorBoard and Weights & Biases as configured
     profiling  an optional torch.profiler window, one Chrome trace per rank
     startup    where start-up time goes: phase marks from process start to the first step
+    summary    what a finished run reports (TrainSummary) and the line a user reads
 """

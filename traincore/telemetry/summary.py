@@ -1,0 +1,37 @@
+"""What a finished run reports: the TrainSummary record and the line a user reads. No torch here: lineage and
+the Flyte types describe a result without importing the training loop."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class TrainSummary:
+    """What a finished run reports; throughput and data-wait figures cover every attempt of the run."""
+
+    steps: int
+    samples_per_s: float
+    data_wait_share: float
+    final_loss: float
+    val_accuracy: float | None
+    resumed_from: int | None
+    checkpoint_dir: str
+    output_dir: str
+    wall_s: float
+    world_size: int = 1
+    startup_s: dict[str, float] = field(default_factory=dict)
+    """This attempt's start-up phases in seconds (imports, preflight, ..., first step), in order."""
+
+
+def format_summary(summary: TrainSummary) -> str:
+    """The one line a user reads at the end of training."""
+    val = f"{summary.val_accuracy:.3f}" if summary.val_accuracy is not None else "n/a"
+    if summary.resumed_from == summary.steps:
+        return (f"nothing to train: step {summary.steps} was already reached (checkpoints in "
+                f"{summary.checkpoint_dir}); val accuracy {val}. Raise --max-steps/--epochs to train on")
+    resumed = f", resumed from step {summary.resumed_from}" if summary.resumed_from else ""
+    return (f"trained {summary.steps} steps in {summary.wall_s:.1f} s{resumed}: "
+            f"{summary.samples_per_s:,.0f} samples/s, data-wait {100 * summary.data_wait_share:.1f}%, "
+            f"final loss {summary.final_loss:.4f}, val accuracy {val}; "
+            f"checkpoints in {summary.checkpoint_dir}")
