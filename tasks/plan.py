@@ -29,37 +29,33 @@ from traincore.config import Config, ConfigError, DataConfig, parse_source
 from traincore.data.fingerprint import source_fingerprint
 from traincore.data.manifest import StagingError
 from traincore.preflight import OutputError, check_model_input, ensure_writable_dir
-from traincore.presets import preset
+from traincore.presets import build_config
 
 
 class LaunchInputError(ValueError):
     """A workflow input is invalid; the message names the input and how to fix it."""
 
 
-def build_config(preset_name: str, config_overrides: str, source: str, epochs: int, max_steps: int) -> Config:
+INPUT_LABELS = {"preset": "input preset", "overrides": "input config_overrides",
+                "data.source": "input source", "train.max_steps": "input max_steps",
+                "train.epochs": "input epochs"}
+
+
+def launch_config(preset_name: str, config_overrides: str, source: str, epochs: int,
+                  max_steps: int) -> Config:
     """Preset, then the JSON overrides, then the explicit inputs (source, epochs or max_steps)."""
     if epochs and max_steps:
         raise LaunchInputError(f"epochs={epochs} and max_steps={max_steps} are both set: give one of them "
                                "(0 keeps the preset's)")
-    try:
-        cfg = preset(preset_name)
-    except ConfigError as exc:
-        raise LaunchInputError(f"input preset: {exc}") from exc
-    cfg = _override(cfg, config_overrides, "config_overrides")
-    if source:
-        cfg = _override(cfg, {"data.source": source}, "source")
+    settings: dict[str, Any] = {"data.source": source} if source else {}
     if max_steps:
-        cfg = _override(cfg, {"train.max_steps": max_steps}, "max_steps")
+        settings["train.max_steps"] = max_steps
     if epochs:
-        cfg = _override(cfg, {"train.epochs": epochs, "train.max_steps": 0}, "epochs")
-    return cfg
-
-
-def _override(cfg: Config, overrides: dict[str, Any] | str, input_name: str) -> Config:
+        settings.update({"train.epochs": epochs, "train.max_steps": 0})
     try:
-        return cfg.with_overrides(overrides)
+        return build_config(preset_name, config_overrides, settings, INPUT_LABELS)
     except ConfigError as exc:
-        raise LaunchInputError(f"input {input_name}: {exc}") from exc
+        raise LaunchInputError(str(exc)) from exc
 
 
 def check_protocol(location: str, input_name: str) -> None:
@@ -213,7 +209,11 @@ def check_slurm(topology: Topology, local_run: bool) -> Topology:
                              command_timeout_s=SLURM_PROBE_TIMEOUT_S)
     except ValueError as exc:
         raise LaunchInputError(f"input slurm_target or slurm_sbatch_flags: {exc}") from exc
-    if not host_alias_known(slurm.target) and not _resolvable(slurm.target):
+    try:
+        reachable = host_alias_known(slurm.target) or _resolvable(slurm.target)
+    except SlurmError as exc:  # an ~/.ssh/config that asyncssh cannot parse: its message names the line
+        raise LaunchInputError(f"input slurm_target={slurm.target!r}: {exc}") from exc
+    if not reachable:
         raise LaunchInputError(f"input slurm_target={slurm.target!r} is neither a Host alias in "
                                "~/.ssh/config nor a resolvable hostname: add a Host entry (HostName, Port, "
                                "User, IdentityFile) or fix the name")
@@ -264,7 +264,7 @@ def plan_run(source: str, preset: str, config_overrides: str, epochs: int, max_s
     source (uncached: every run sees the source as it is now)."""
     slurm = SlurmSettings(target=slurm_target, partition=slurm_partition, account=slurm_account,
                           time_limit=slurm_time_limit, sbatch_flags=slurm_sbatch_flags, setup=slurm_setup)
-    cfg = build_config(preset, config_overrides, source, epochs, max_steps)
+    cfg = launch_config(preset, config_overrides, source, epochs, max_steps)
     check_source(cfg.data.source)
     topology = Topology(backend=backend, nnodes=nnodes, nproc_per_node=nproc_per_node,
                         gpus_per_node=gpus_per_node, accelerator=accelerator, max_restarts=max_restarts,

@@ -201,7 +201,8 @@ class LoaderConfig:
 class ModelConfig:
     """Architecture by name; input shape and class count come from the staged manifest."""
     name: str = "small_cnn"
-    """small_cnn, mlp, resnet18, resnet34, resnet50 or vit_b_16; random init (never downloads weights)."""
+    """small_cnn, mlp, resnet18, resnet34, resnet50, vit_b_16 or vit_tiny (a 4-layer ViT for small images);
+    random init (never downloads weights)."""
     width: int = 32
     """Channels of the first conv layer (small_cnn) or hidden size (mlp); the torchvision models ignore it."""
     dropout: float = 0.0
@@ -357,7 +358,7 @@ class DistConfig:
 
 @dataclass
 class Config:
-    """The whole tree. ``Config.from_dict`` / ``with_overrides`` reject unknown keys by name."""
+    """The whole tree. ``with_overrides`` rejects unknown keys by name."""
     data: DataConfig = field(default_factory=DataConfig)
     """What to stage: source, image size, splits."""
     loader: LoaderConfig = field(default_factory=LoaderConfig)
@@ -387,14 +388,8 @@ class Config:
                 "'auto' or 'cpu:gloo,cuda:nccl', or checkpoint.mode to 'sync' or 'dcp'")
 
     def to_dict(self) -> dict[str, dict[str, Any]]:
+        """Plain nested dicts (what a checkpoint and the telemetry record); ``with_overrides`` reads them."""
         return dataclasses.asdict(self)
-
-    def to_json(self) -> str:
-        return json.dumps(self.to_dict(), indent=2, sort_keys=True)
-
-    @classmethod
-    def from_dict(cls, data: dict[str, Any]) -> Config:
-        return cls().with_overrides(data)
 
     def with_overrides(self, overrides: dict[str, Any] | str) -> Config:
         """A new Config with nested overrides applied, e.g. ``{"loader": {"batch_size": 32}}``.

@@ -75,8 +75,15 @@ def _resnet(name: str, in_channels: int, num_classes: int) -> nn.Module:
     return model
 
 
-def build_model(cfg: ModelConfig, num_classes: int, shape: tuple[int, int, int]) -> nn.Module:
-    """Build ``cfg.name`` for ``shape`` (C, H, W) inputs and ``num_classes`` outputs, randomly initialised."""
+def build_model(cfg: ModelConfig, num_classes: int, shape: tuple[int, int, int],
+                seed: int | None = None) -> nn.Module:
+    """Build ``cfg.name`` for ``shape`` (C, H, W) inputs and ``num_classes`` outputs, randomly initialised:
+    from ``seed`` when given (the same weights on every rank, the process's random streams untouched),
+    else from torch's global generator."""
+    if seed is not None:
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(seed)
+            return build_model(cfg, num_classes, shape)
     channels, height, width = shape
     if cfg.name == "small_cnn":
         return SmallCNN(channels, num_classes, cfg.width, cfg.dropout)

@@ -1,10 +1,13 @@
 """Named starting configs: ``preset(name)`` builds one; ``PRESETS`` maps every name to its function.
 
-The CLIs and the Flyte tasks start from a preset and apply overrides on top
-(:meth:`traincore.config.Config.with_overrides`).
+The CLIs and the Flyte tasks make a run's Config with :func:`build_config`: a preset, JSON overrides on
+top (:meth:`traincore.config.Config.with_overrides`), then the explicit flags or inputs.
 """
 
 from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
 
 from traincore.config import (
     CheckpointConfig,
@@ -83,3 +86,29 @@ def preset(name: str) -> Config:
     if name not in PRESETS:
         raise ConfigError(f"unknown preset {name!r}; presets are {', '.join(PRESETS)}")
     return PRESETS[name]()
+
+
+def build_config(preset_name: str, overrides: str | dict[str, Any] = "",
+                 settings: Mapping[str, Any] | None = None,
+                 labels: Mapping[str, str] | None = None) -> Config:
+    """A run's Config, the one way every entry point makes it: the preset, then the JSON ``overrides``,
+    then the explicit ``settings`` (dotted field -> value, e.g. ``{"train.max_steps": 100}``).
+
+    ``labels`` names what the user typed for ``"preset"``, ``"overrides"`` and each settings field (a CLI
+    flag, a workflow input): a ConfigError starts with the label of the value at fault, so the message
+    points at the flag or input to fix, not at an internal field name.
+    """
+    labels = labels or {}
+    try:
+        cfg = preset(preset_name)
+    except ConfigError as exc:
+        raise ConfigError(f"{labels.get('preset', 'preset')}: {exc}") from exc
+    try:
+        cfg = cfg.with_overrides(overrides)
+    except ConfigError as exc:
+        raise ConfigError(f"{labels.get('overrides', 'config overrides')}: {exc}") from exc
+    try:
+        return cfg.with_overrides(dict(settings or {}))
+    except ConfigError as exc:
+        label = next((label for field, label in labels.items() if str(exc).startswith(f"{field}=")), None)
+        raise (ConfigError(f"{label}: {exc}") if label else exc) from exc

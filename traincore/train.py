@@ -25,6 +25,7 @@ import time
 from collections.abc import Iterator
 from contextlib import ExitStack, contextmanager
 from pathlib import Path
+from typing import Any
 
 import torch
 from torch import nn
@@ -36,16 +37,16 @@ from traincore.config import Config, ConfigError
 from traincore.data.autotune import autotune
 from traincore.data.loader import StagedLoader, StagedSplit
 from traincore.data.manifest import Manifest, StagingError
-from traincore.dist import distributed, explain_timeouts, tighten_timeout
+from traincore.dist import DistContext, distributed, explain_timeouts, tighten_timeout
 from traincore.launch import launch_local, refuse_under_torchrun, start_method
 from traincore.models import build_model, parameter_count
 from traincore.preflight import preflight
-from traincore.presets import PRESETS, preset
+from traincore.presets import PRESETS, build_config
 from traincore.state import Progress, training_registry, unwrap_model
 from traincore.steps import endless, seed_everything, total_steps, train_step, validate, warmup_cosine
 from traincore.telemetry.metrics import peak_flops, training_flops_per_sample
 from traincore.telemetry.profiling import ProfilerWindow
-from traincore.telemetry.reporting import Telemetry, Workload, setup_logging
+from traincore.telemetry.reporting import Telemetry, Workload, logging_setup
 from traincore.telemetry.startup import StartupClock, process_start_time
 from traincore.telemetry.summary import TrainSummary, format_summary
 
@@ -70,7 +71,10 @@ def gc_paused() -> Iterator[None]:
 
 
 class Trainer:
-    """One run in this worker: owns the run-wide parts and their state, trains, tears down in one place.
+    """One run in this worker, complete once built: the process group, loader, model, optimizer, schedule,
+    telemetry, state registry, checkpointer and profiler are up, and the latest checkpoint (if any) is
+    loaded. :meth:`train` runs the steps and closes everything; a Trainer that will not train is closed
+    with :meth:`close` (or used as a context manager).
 
     ``started_at`` (epoch seconds, e.g. :func:`~.startup.process_start_time`) is where the start-up
     figures begin: what ran before the Trainer was built counts as "imports". None: they begin now.
@@ -79,6 +83,9 @@ class Trainer:
     passes the ``manifest`` preflight returned, which skips preflight here, and the launcher's
     ``startup`` clock (:meth:`~.startup.StartupClock.state_dict`), which it continues in place
     of ``started_at``: the time up to this Trainer counts as "launch".
+
+    Process-wide settings the run needs (deterministic algorithms, the root logger's handler and level)
+    are restored when the Trainer closes, so code that runs in the same process afterwards is unaffected.
     """
 
     def __init__(self, cfg: Config, data_dir: str | Path, output_dir: str | Path,
@@ -92,77 +99,76 @@ class Trainer:
             self.startup.mark("imports")
         self.cfg, self.data_dir, self.output = cfg, Path(data_dir), Path(output_dir)
         self.checkpoint_root = Path(checkpoint_dir) if checkpoint_dir else self.output / "checkpoints"
-        self.progress = Progress()
-        self.manifest = manifest
         if manifest is None:
-            self.manifest = preflight(cfg, data_dir, self.output, self.checkpoint_root)
+            manifest = preflight(cfg, data_dir, self.output, self.checkpoint_root)
             self.startup.mark("preflight")
+        self.manifest = manifest
+        self.progress = Progress()
+        self.closed = False
+        self.parts = ExitStack()  # unwinds in reverse: profiler, checkpointer, telemetry, process group
+        try:
+            self._open(self.parts)
+        except BaseException:
+            self.parts.close()
+            raise
 
-    def train(self) -> TrainSummary:
-        """Set up, resume, run the steps, validate, summarise."""
+    def _open(self, stack: ExitStack) -> None:
+        """Every part of the run, each closed by ``stack`` however the run ends; then the resume."""
+        cfg = self.cfg
         # torch.optim's constructors and use_deterministic_algorithms import torch._dynamo (about 1.5 s on a
         # 2-core machine, in any PyTorch training script): a phase of its own, so none of ours looks slow.
         importlib.import_module("torch._dynamo")
         self.startup.mark("dynamo import")
-        if self.cfg.train.deterministic:
-            torch.use_deterministic_algorithms(True, warn_only=True)
-        with ExitStack() as stack:  # unwinds in reverse: gc, profiler, checkpointer, telemetry, process group
-            self.ctx = stack.enter_context(distributed(self.cfg.dist))
-            setup_logging(self.cfg.telemetry.level, self.ctx.rank)
-            self.startup.mark("process group")
-            self.output.mkdir(parents=True, exist_ok=True)
-            self.build_model()
-            self.open_parts(stack)
-            resumed = self.resume()
-            stack.enter_context(gc_paused())
-            # A peer that hangs surfaces as gloo's bare "Timed out waiting ...": say what timed out and why.
-            with explain_timeouts(self.cfg.dist, self.ctx.rank, lambda: self.progress.step):
-                self.run_steps()
-                val = validate(self.model, self.val_split, self.cfg.loader.eval_batch_size, self.ctx)
-            self.telemetry.log_eval(self.progress.step, val)
-            return self.summary(resumed, val["accuracy"])
-
-    def open_parts(self, stack: ExitStack) -> None:
-        """Telemetry, state registry, checkpointer, profiler; ``stack`` closes them however the run ends."""
-        cfg, ctx = self.cfg, self.ctx
-        self.telemetry = Telemetry(cfg.telemetry, self.output, ctx, self.workload(), cfg.to_dict())
+        stack.enter_context(deterministic_algorithms(cfg.train.deterministic))
+        self.ctx = ctx = stack.enter_context(distributed(cfg.dist))
+        stack.enter_context(logging_setup(cfg.telemetry.level, ctx.rank))
+        self.startup.mark("process group")
+        self.output.mkdir(parents=True, exist_ok=True)
+        self.loader, self.val_split = training_loader(cfg, self.data_dir, ctx)
+        self.total_steps = total_steps(cfg, self.loader.steps_per_epoch)
+        self.startup.mark("loader")
+        self.model = parallel_model(cfg, self.manifest, ctx)
+        self.optimizer, self.scheduler = optimizer_and_schedule(cfg, self.model, self.total_steps)
+        self.startup.mark("model")
+        self.telemetry = Telemetry(cfg.telemetry, self.output, ctx, self._workload(), cfg.to_dict())
         stack.callback(self.telemetry.close)
         self.startup.mark("telemetry")
-        seed_everything(cfg.train.seed + ctx.rank)  # per-rank streams; a resume restores them
-        self.register_state()
+        seed_everything(cfg.train.seed + ctx.rank)  # per-rank streams (dropout, ...); a resume restores them
+        self.registry = training_registry(self.model, self.optimizer, self.scheduler, self.loader,
+                                          self.progress, self._run_meta())
+        self.registry.register("telemetry", self.telemetry)
         self.checkpointer = Checkpointer(self.checkpoint_root, cfg.checkpoint, self.registry, ctx.rank,
                                          ctx.world_size)
         stack.callback(self.checkpointer.close)
         self.profiler = ProfilerWindow(cfg.train.profile_window(), self.output, ctx.rank)
         stack.callback(self.profiler.close)
+        self.resumed_from = self._resume()
 
-    def build_model(self) -> None:
-        """Loader, then model (DDP across ranks, maybe compiled), AdamW and its warmup-cosine schedule."""
-        cfg, ctx = self.cfg, self.ctx
-        train_split, self.val_split = StagedSplit(self.data_dir, "train"), StagedSplit(self.data_dir, "val")
-        loader_cfg = cfg.loader
-        if loader_cfg.autotune:
-            loader_cfg = autotune(train_split, loader_cfg, rank=ctx.rank, world_size=ctx.world_size,
-                                  seed=cfg.train.seed, device=ctx.device)
-        self.loader = StagedLoader(train_split, loader_cfg, rank=ctx.rank, world_size=ctx.world_size,
-                                   seed=cfg.train.seed, device=ctx.device)
-        self.total_steps = total_steps(cfg, self.loader.steps_per_epoch)
-        self.startup.mark("loader")
-        seed_everything(cfg.train.seed)  # identical initial weights on every rank
-        model = build_model(cfg.model, self.manifest.num_classes, self.manifest.shape).to(ctx.device)
-        if ctx.distributed:
-            device_ids = [ctx.device.index] if ctx.device.type == "cuda" else None
-            model = nn.parallel.DistributedDataParallel(model, device_ids=device_ids)
-        self.model = torch.compile(model) if cfg.model.compile else model
-        optim = cfg.optim
-        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=optim.lr,
-                                           betas=(optim.beta1, optim.beta2), weight_decay=optim.weight_decay,
-                                           foreach=True)
-        schedule = warmup_cosine(cfg, self.total_steps)
-        self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, schedule)
-        self.startup.mark("model")
+    def __enter__(self) -> Trainer:
+        return self
 
-    def workload(self) -> Workload:
+    def __exit__(self, *exc_info) -> None:
+        self.close()
+
+    def close(self) -> None:
+        """Close every part (profiler, checkpointer, telemetry, process group) and restore the settings."""
+        self.closed = True
+        self.parts.close()
+
+    def train(self) -> TrainSummary:
+        """Run the steps from the resumed one to the last, validate, summarise; then close the run."""
+        if self.closed:
+            raise RuntimeError("this Trainer has finished and is closed: build a new Trainer to train again")
+        with self:
+            self.parts.enter_context(gc_paused())
+            # A peer that hangs surfaces as gloo's bare "Timed out waiting ...": say what timed out and why.
+            with explain_timeouts(self.cfg.dist, self.ctx.rank, lambda: self.progress.step):
+                self._run_steps()
+                val = validate(self.model, self.val_split, self.cfg.loader.eval_batch_size, self.ctx)
+            self.telemetry.log_eval(self.progress.step, val)
+            return self._summary(val["accuracy"])
+
+    def _workload(self) -> Workload:
         """Steps, batch and FLOPs for telemetry; MFU is measured against the dtype the run computes in."""
         dtype = torch.bfloat16 if self.ctx.device.type == "cuda" and self.cfg.train.bf16 else torch.float32
         flops = None
@@ -174,17 +180,14 @@ class Trainer:
         return Workload(total_steps=self.total_steps, global_batch_size=self.loader.global_batch_size,
                         flops_per_sample=flops, dtype=dtype)
 
-    def register_state(self) -> None:
-        """Everything a resume restores, in one registry; the checkpointer never looks inside it."""
+    def _run_meta(self) -> dict:
+        """What a checkpoint records about the run beside the state: config, data shape, world size."""
         manifest = self.manifest
-        meta = {"config": self.cfg.to_dict(), "num_classes": manifest.num_classes,
+        return {"config": self.cfg.to_dict(), "num_classes": manifest.num_classes,
                 "shape": list(manifest.shape), "classes": manifest.classes, "mean": manifest.mean,
                 "std": manifest.std, "source": manifest.source, "world_size": self.ctx.world_size}
-        self.registry = training_registry(self.model, self.optimizer, self.scheduler, self.loader,
-                                          self.progress, meta)
-        self.registry.register("telemetry", self.telemetry)
 
-    def resume(self) -> int | None:
+    def _resume(self) -> int | None:
         """Restore the latest (or the requested) checkpoint, if any; returns its step.
 
         Telemetry learns the step the run continues from (0 when fresh): metrics an earlier attempt logged
@@ -202,7 +205,7 @@ class Trainer:
         self.startup.mark("checkpoint look-up")
         return resumed
 
-    def run_steps(self) -> None:
+    def _run_steps(self) -> None:
         """The step loop proper, from the current (possibly resumed) step to the last."""
         cfg, progress = self.cfg, self.progress
         batches = endless(self.loader)
@@ -229,15 +232,58 @@ class Trainer:
             self.checkpointer.maybe_save(step, last_step=last)
         self.checkpointer.wait()
 
-    def summary(self, resumed: int | None, val_accuracy: float) -> TrainSummary:
+    def _summary(self, val_accuracy: float) -> TrainSummary:
         """The run's summary from the telemetry totals (restored on resume, so they cover the whole run)."""
         totals = self.telemetry.summary()
         return TrainSummary(steps=self.progress.step, samples_per_s=totals["samples_per_s"],
                             data_wait_share=totals["data_wait_share"], final_loss=totals["final_loss"],
-                            val_accuracy=val_accuracy, resumed_from=resumed,
+                            val_accuracy=val_accuracy, resumed_from=self.resumed_from,
                             checkpoint_dir=str(self.checkpoint_root), output_dir=str(self.output),
                             wall_s=totals["wall_s"], world_size=self.ctx.world_size,
                             startup_s=dict(self.startup.phases))
+
+
+@contextmanager
+def deterministic_algorithms(enabled: bool) -> Iterator[None]:
+    """torch.use_deterministic_algorithms for the run only (it is process-wide): restored on exit."""
+    before = (torch.are_deterministic_algorithms_enabled(),
+              torch.is_deterministic_algorithms_warn_only_enabled())
+    if enabled:
+        torch.use_deterministic_algorithms(True, warn_only=True)
+    try:
+        yield
+    finally:
+        torch.use_deterministic_algorithms(before[0], warn_only=before[1])
+
+
+def training_loader(cfg: Config, data_dir: Path, ctx: DistContext) -> tuple[StagedLoader, StagedSplit]:
+    """This rank's resumable loader over the train split (autotuned when asked), and the val split."""
+    train_split, val_split = StagedSplit(data_dir, "train"), StagedSplit(data_dir, "val")
+    loader_cfg = cfg.loader
+    if loader_cfg.autotune:
+        loader_cfg = autotune(train_split, loader_cfg, rank=ctx.rank, world_size=ctx.world_size,
+                              seed=cfg.train.seed, device=ctx.device)
+    loader = StagedLoader(train_split, loader_cfg, rank=ctx.rank, world_size=ctx.world_size,
+                          seed=cfg.train.seed, device=ctx.device)
+    return loader, val_split
+
+
+def parallel_model(cfg: Config, manifest: Manifest, ctx: DistContext) -> nn.Module:
+    """The model, initialised identically on every rank from the run's seed, on this rank's device,
+    wrapped in DDP across ranks and compiled when asked."""
+    model = build_model(cfg.model, manifest.num_classes, manifest.shape, seed=cfg.train.seed).to(ctx.device)
+    if ctx.distributed:
+        device_ids = [ctx.device.index] if ctx.device.type == "cuda" else None
+        model = nn.parallel.DistributedDataParallel(model, device_ids=device_ids)
+    return torch.compile(model) if cfg.model.compile else model
+
+
+def optimizer_and_schedule(cfg: Config, model: nn.Module, steps: int) -> tuple[torch.optim.Optimizer, Any]:
+    """AdamW over the model's parameters and its warmup-cosine LR schedule over ``steps``."""
+    optim = cfg.optim
+    optimizer = torch.optim.AdamW(model.parameters(), lr=optim.lr, betas=(optim.beta1, optim.beta2),
+                                  weight_decay=optim.weight_decay, foreach=True)
+    return optimizer, torch.optim.lr_scheduler.LambdaLR(optimizer, warmup_cosine(cfg, steps))
 
 
 # ---- CLI -----------------------------------------------------------------------------------------
@@ -280,37 +326,31 @@ def check_launch_flags(args: argparse.Namespace) -> None:
 
 _FLAGS = {"train.max_steps": "--max-steps", "train.epochs": "--epochs",
           "checkpoint.every": "--checkpoint-every", "checkpoint.mode": "--checkpoint-mode",
-          "checkpoint.resume": "--resume", "train.seed": "--seed"}
+          "checkpoint.resume": "--resume", "train.seed": "--seed", "overrides": "--config"}
 
 
-def build_config(args: argparse.Namespace) -> Config:
+def config_from_args(args: argparse.Namespace) -> Config:
     """Preset, then --config overrides, then the explicit flags; ConfigError names the flag at fault."""
-    cfg = preset(args.preset)
-    if args.config:
-        text = args.config
-        if text.strip().endswith(".json"):
-            try:
-                text = Path(text.strip()).read_text()
-            except (OSError, UnicodeDecodeError) as exc:
-                reason = exc.strerror if isinstance(exc, OSError) else "not UTF-8 text"
-                raise ConfigError(f"--config {args.config}: cannot read the file ({reason}): pass an "
-                                  "existing .json file or the JSON itself, e.g. "
-                                  '\'{"optim": {"lr": 0.01}}\'') from exc
-        try:
-            cfg = cfg.with_overrides(text)
-        except ConfigError as exc:
-            raise ConfigError(f"--config: {exc}") from exc
-    flags = {
+    settings = {
         "train.max_steps": args.max_steps, "checkpoint.every": args.checkpoint_every,
         "checkpoint.mode": args.checkpoint_mode, "checkpoint.resume": args.resume, "train.seed": args.seed,
     }
     if args.epochs is not None:
-        flags.update({"train.epochs": args.epochs, "train.max_steps": 0})
+        settings.update({"train.epochs": args.epochs, "train.max_steps": 0})
+    return build_config(args.preset, read_config_flag(args.config),
+                        {key: value for key, value in settings.items() if value is not None}, _FLAGS)
+
+
+def read_config_flag(value: str) -> str:
+    """--config: JSON text, or the path of a .json file holding it."""
+    if not value.strip().endswith(".json"):
+        return value
     try:
-        return cfg.with_overrides({key: value for key, value in flags.items() if value is not None})
-    except ConfigError as exc:
-        flag = next((flag for field, flag in _FLAGS.items() if str(exc).startswith(f"{field}=")), None)
-        raise (ConfigError(f"{flag}: {exc}") if flag else exc) from exc
+        return Path(value.strip()).read_text()
+    except (OSError, UnicodeDecodeError) as exc:
+        reason = exc.strerror if isinstance(exc, OSError) else "not UTF-8 text"
+        raise ConfigError(f"--config {value}: cannot read the file ({reason}): pass an existing .json file "
+                          'or the JSON itself, e.g. \'{"optim": {"lr": 0.01}}\'') from exc
 
 
 USAGE_ERRORS = (ConfigError, StagingError, CheckpointError, ValueError, OSError)
@@ -379,7 +419,7 @@ def main(argv: list[str] | None = None) -> int:
     started_at = process_start_time()
     try:
         check_launch_flags(args)
-        cfg = build_config(args)
+        cfg = config_from_args(args)
         if (args.nproc_per_node or 1) == 1 and not args.max_restarts:  # nothing to launch: train here
             summary = Trainer(cfg, args.data, args.output, args.checkpoint_dir, started_at=started_at).train()
         else:

@@ -54,13 +54,13 @@ from dataclasses import asdict
 from tasks.launch import train_task_for
 from tasks.types import StagedDataset, Topology
 from traincore.data.manifest import Manifest
-from traincore.train import build_config, parse_args
+from traincore.train import config_from_args, parse_args
 
 
 def main():
     argv, root, result = json.loads(sys.argv[1]), sys.argv[2], sys.argv[3]
     args = parse_args(argv)
-    config = build_config(args)  # the CLI's config, so both runs train the same
+    config = config_from_args(args)  # the CLI's config, so both runs train the same
     dataset = StagedDataset.from_manifest(args.data, Manifest.load(args.data))
     task = train_task_for(Topology(nproc_per_node=2, max_restarts=int(sys.argv[4])), config)
     summary = task(config=config, dataset=dataset, checkpoint_root=root).summary

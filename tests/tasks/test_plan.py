@@ -7,12 +7,12 @@ import torch
 
 from tasks.plan import (
     LaunchInputError,
-    build_config,
     check_backend,
     check_checkpoint_root,
     check_checkpoint_uri,
     check_source,
     check_topology,
+    launch_config,
     plan_run,
 )
 from tasks.types import Topology
@@ -25,12 +25,12 @@ PLAN_DEFAULTS = dict(source="digits", preset="digits", config_overrides="", epoc
                      slurm_account="", slurm_time_limit="", slurm_sbatch_flags="", slurm_setup="")
 
 
-def test_build_config_layers_preset_overrides_and_inputs():
-    cfg = build_config("digits", '{"loader": {"batch_size": 48}}', "synthetic", epochs=3, max_steps=0)
+def test_launch_config_layers_preset_overrides_and_inputs():
+    cfg = launch_config("digits", '{"loader": {"batch_size": 48}}', "synthetic", epochs=3, max_steps=0)
     assert ((cfg.loader.batch_size, cfg.data.source, cfg.train.epochs, cfg.train.max_steps)
             == (48, "synthetic", 3, 0))
     assert cfg.model == preset("digits").model
-    assert build_config("digits", "", "", epochs=0, max_steps=7).train.max_steps == 7
+    assert launch_config("digits", "", "", epochs=0, max_steps=7).train.max_steps == 7
 
 
 @pytest.mark.parametrize("kwargs, names", [
@@ -41,10 +41,10 @@ def test_build_config_layers_preset_overrides_and_inputs():
     (dict(epochs=-1), "input epochs"),
     (dict(epochs=2, max_steps=5), "epochs=2 and max_steps=5"),
 ])
-def test_build_config_names_the_bad_input(kwargs, names):
+def test_launch_config_names_the_bad_input(kwargs, names):
     args = dict(preset_name="digits", config_overrides="", source="", epochs=0, max_steps=0) | kwargs
     with pytest.raises(LaunchInputError, match=names):
-        build_config(**args)
+        launch_config(**args)
 
 
 def test_missing_dataset_path_is_named(tmp_path):

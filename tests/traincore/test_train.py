@@ -182,3 +182,32 @@ def test_missing_data_directory_is_a_clear_error(tmp_path):
            "--output", str(tmp_path)]
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=60)
     assert done.returncode == 2 and "is not a staged dataset" in done.stderr
+
+
+def test_a_trainer_is_complete_once_built_and_restores_process_settings(data_dir, tmp_path):
+    """Built = ready (parts up, checkpoint loaded); closing restores deterministic mode and the root
+    logger, so a process that trains in-process keeps its own settings."""
+    import logging
+
+    from traincore.config import Config
+    from traincore.train import Trainer
+
+    cfg = Config().with_overrides({**TINY, "data": {"source": "synthetic"}, "train": {"max_steps": 4,
+                                   "deterministic": True}, "checkpoint": {"every": 2}})
+    root = logging.getLogger()
+    def process_settings():
+        return torch.are_deterministic_algorithms_enabled(), list(root.handlers), root.level
+
+    before = process_settings()
+    assert not before[0]
+    first = Trainer(cfg, data_dir, tmp_path / "run")
+    assert torch.are_deterministic_algorithms_enabled()  # for the run only
+    assert first.resumed_from is None and first.progress.step == 0
+    assert {"model", "optimizer", "telemetry"} <= set(first.registry.shared)
+    assert first.train().steps == 4
+    assert process_settings() == before
+    with pytest.raises(RuntimeError, match="build a new Trainer"):
+        first.train()
+    with Trainer(cfg.with_overrides({"train.max_steps": 6}), data_dir, tmp_path / "run") as second:
+        assert second.resumed_from == 4 and second.progress.step == 4  # loaded at construction
+    assert process_settings() == before

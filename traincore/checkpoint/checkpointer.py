@@ -29,8 +29,9 @@ in place by other means calls ``wait_for_snapshot`` first, or sets ``checkpoint.
 copies everything before ``save`` returns. At most one save is in flight: the next ``save``, ``load``,
 ``wait`` and ``close`` first wait for the previous one, since overlapping DCP saves can hang.
 
-torch.distributed.checkpoint is imported only by ``dcp`` and ``async`` saves and by loads of their
-checkpoints (:mod:`traincore.checkpoint.dcp`): a ``sync`` run never loads it.
+Every mode reads and writes the model and optimizer through torch.distributed.checkpoint's state_dict API
+(:mod:`traincore.state`), which imports the package at the first save or load, not at start-up; DCP's
+storage layer (:mod:`traincore.checkpoint.dcp`) is used by ``dcp`` and ``async`` checkpoints only.
 
 Per-rank state (RNG streams) cannot be matched to ranks when the world size changed since the save; it is
 then kept as it is (and logged). Shared state reshards (DCP) or is replicated (``sync``), so every mode

@@ -61,12 +61,6 @@ class StagedSplit:
         self._offsets = np.cumsum([0] + [s.count for s in info.shards])
         self.labels = np.concatenate(self._labels)
 
-    def verify(self) -> None:
-        """Hash every shard of this split again, whatever the record says; StagingError on a mismatch."""
-        for shard in self.manifest.splits[self.split].shards:
-            read_labels(self.directory, self.manifest, shard)
-        verify_images(self.directory, self.manifest, [self.split], force=True)
-
     def __len__(self) -> int:
         return int(self._offsets[-1])
 

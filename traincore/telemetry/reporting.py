@@ -6,10 +6,12 @@ other ranks cost one all-reduce per logging interval and nothing else.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 import sys
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -39,15 +41,18 @@ class _CurrentStderrHandler(logging.StreamHandler):
         pass  # always follow sys.stderr
 
 
-def setup_logging(level: str = "INFO", rank: int = 0) -> None:
-    """Configure the root logger once per process; calling again replaces our handler, never adds one.
+@contextlib.contextmanager
+def logging_setup(level: str = "INFO", rank: int = 0) -> Iterator[None]:
+    """Our handler on the root logger, and its level, for the run; both restored on exit, so a process
+    that trains in-process (a notebook, a Flyte task) keeps its own logging configuration afterwards.
 
     Ranks > 0 log WARNING and above only, so N ranks do not print every line N times.
     """
     if str(level).upper() not in LOG_LEVELS:
         raise ValueError(f"log level {level!r} is unknown; use one of {', '.join(LOG_LEVELS)}")
     root = logging.getLogger()
-    for handler in [h for h in root.handlers if h.get_name() == _HANDLER_NAME]:
+    before, theirs = root.level, [h for h in root.handlers if h.get_name() == _HANDLER_NAME]
+    for handler in theirs:  # an enclosing run's handler (a run inside a run): ours replaces it meanwhile
         root.removeHandler(handler)
     handler = _CurrentStderrHandler()
     handler.set_name(_HANDLER_NAME)
@@ -55,6 +60,13 @@ def setup_logging(level: str = "INFO", rank: int = 0) -> None:
     root.addHandler(handler)
     numeric = logging.getLevelName(str(level).upper())
     root.setLevel(numeric if rank == 0 else max(numeric, logging.WARNING))
+    try:
+        yield
+    finally:
+        root.removeHandler(handler)
+        for handler in theirs:
+            root.addHandler(handler)
+        root.setLevel(before)
 
 
 class ProgressBar:

@@ -13,7 +13,7 @@ import pytest
 
 from traincore.config import DataConfig
 from traincore.data.loader import StagedSplit
-from traincore.data.manifest import FORMAT_VERSION, SPLITS, VERIFIED, Manifest, StagingError
+from traincore.data.manifest import FORMAT_VERSION, SPLITS, VERIFIED, Manifest, StagingError, verify_images
 from traincore.data.sources import Source, split_counts
 from traincore.data.staging import stage
 
@@ -197,7 +197,7 @@ def test_flipped_byte_fails_hash_check(damaged_copy):
     data[100] ^= 0xFF
     path.write_bytes(bytes(data))  # same size: only the hash can tell
     with pytest.raises(StagingError, match="train-00002.u8 fails its sha256 check"):
-        split.verify()
+        verify_images(damaged_copy, split.manifest, ["train"], force=True)
     with pytest.raises(StagingError, match="train-00002.u8 fails its sha256 check.*stage it again"):
         StagedSplit(damaged_copy, "train")  # the file changed since it was recorded: hashed again on open
     with pytest.raises(StagingError, match="sha256"):

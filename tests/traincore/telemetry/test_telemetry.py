@@ -19,7 +19,7 @@ from traincore.config import TelemetryConfig
 from traincore.dist import DistContext
 from traincore.telemetry import metrics
 from traincore.telemetry.metrics import memory_metrics, peak_flops, training_flops_per_sample
-from traincore.telemetry.reporting import Telemetry, Workload, setup_logging
+from traincore.telemetry.reporting import Telemetry, Workload, logging_setup
 
 CPU = torch.device("cpu")
 
@@ -56,18 +56,19 @@ def read_jsonl(path: Path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines()]
 
 
-def test_setup_logging_is_idempotent_and_quiet_on_other_ranks(capsys):
-    setup_logging("INFO", rank=1)
-    setup_logging("INFO", rank=1)
+def test_logging_setup_nests_is_quiet_on_other_ranks_and_restores_the_root_logger(capsys):
     root = logging.getLogger()
-    assert [h.get_name() for h in root.handlers].count("traincore") == 1
-    assert root.level == logging.WARNING
-    logging.getLogger("traincore.x").info("hidden")
-    logging.getLogger("traincore.x").warning("shown")
+    handlers, level = list(root.handlers), root.level
+    with logging_setup("INFO", rank=1), logging_setup("INFO", rank=1):
+        assert [h.get_name() for h in root.handlers].count("traincore") == 1
+        assert root.level == logging.WARNING
+        logging.getLogger("traincore.x").info("hidden")
+        logging.getLogger("traincore.x").warning("shown")
+    assert root.handlers == handlers and root.level == level
     err = capsys.readouterr().err
     assert "hidden" not in err and "WARNING [rank 1] traincore.x: shown" in err
-    with pytest.raises(ValueError, match="'LOUD'"):
-        setup_logging("LOUD")
+    with pytest.raises(ValueError, match="'LOUD'"), logging_setup("LOUD"):
+        pass
 
 
 def test_jsonl_and_tensorboard_read_back(tmp_path):
