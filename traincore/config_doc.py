@@ -1,8 +1,12 @@
-"""The README's config table, generated from the attribute docstrings in ``traincore/config.py``.
+"""The config reference (docs/config.md): its table is generated from the attribute docstrings in
+``traincore/config.py``.
 
-    python -m traincore.config_doc                      # print the table
-    python -m traincore.config_doc --write README.md    # replace the table between the markers (`make docs`)
-    python -m traincore.config_doc --check README.md    # exit 1 when the README's table is out of date
+    python -m traincore.config_doc                          # print the table
+    python -m traincore.config_doc --write docs/config.md   # regenerate the table between the markers
+    python -m traincore.config_doc --check docs/config.md   # exit 1 when the page's table is out of date
+
+The page is written by hand around the table; only the lines between the two markers are generated
+(`make docs` runs the --write line).
 
 Only the standard library and ``traincore.config`` are imported, so this runs without flytekit or torch.
 """
@@ -78,10 +82,10 @@ def splice(text: str, table: str) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m traincore.config_doc",
-                                     description="Generate or check the README's config table.")
+                                     description="Generate or check the config table of docs/config.md.")
     mode = parser.add_mutually_exclusive_group()
-    mode.add_argument("--write", metavar="README", help="replace the table between the markers in this file")
-    mode.add_argument("--check", metavar="README", help="exit 1 when this file's table differs")
+    mode.add_argument("--write", metavar="PAGE", help="replace the table between the markers in this file")
+    mode.add_argument("--check", metavar="PAGE", help="exit 1 when this file's table differs")
     args = parser.parse_args(argv)
     if not (args.write or args.check):
         sys.stdout.write(config_table())

@@ -21,6 +21,7 @@ from datetime import timedelta
 
 import torch
 import torch.distributed as dist
+from torch import nn
 
 from traincore.config import DistConfig
 
@@ -183,3 +184,58 @@ def all_reduce_sum(values: list[float], device: torch.device) -> list[float]:
     if dist.is_initialized():
         dist.all_reduce(tensor)
     return tensor.tolist()
+
+
+# ---- parallelism ---------------------------------------------------------------------------------
+
+def parallelize(model: nn.Module, units: list[nn.Module], cfg: DistConfig, ctx: DistContext, *,
+                bf16: bool = False, compile: bool = False) -> nn.Module:
+    """Wrap ``model`` (on ``ctx.device``) for this run's parallelism; ``units`` are its blocks.
+
+    ``ddp`` replicates the model (DistributedDataParallel across ranks; compiled whole when asked).
+    ``fsdp`` shards it with FSDP2: ``fully_shard`` on every unit and at the root, on a 1-D device mesh
+    over all ranks (compiled per unit when asked, so each graph is a block FSDP gathers for); on CUDA with
+    bf16, parameters compute in bf16 and gradients reduce in fp32. One rank has nothing to shard: the
+    model runs as it is, and its checkpoints are the same full tensors a sharded run's reshard into.
+    """
+    if cfg.parallelism == "ddp" or not ctx.distributed:
+        if ctx.distributed:
+            device_ids = [ctx.device.index] if ctx.device.type == "cuda" else None
+            model = nn.parallel.DistributedDataParallel(model, device_ids=device_ids)
+        return torch.compile(model) if compile else model
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    mesh = init_device_mesh(ctx.device.type, (ctx.world_size,))
+    precision = (MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+                 if bf16 and ctx.device.type == "cuda" else MixedPrecisionPolicy())
+    for unit in units:
+        if compile:
+            unit.compile()  # in place: the module FSDP wraps stays the one the model calls
+        fully_shard(unit, mesh=mesh, reshard_after_forward=cfg.reshard_after_forward, mp_policy=precision)
+    fully_shard(model, mesh=mesh, reshard_after_forward=cfg.reshard_after_forward, mp_policy=precision)
+    if any(True for _ in model.buffers()):
+        # As DDP does: rank 0's buffers (BatchNorm statistics) on every rank before each forward. FSDP leaves
+        # buffers unsharded and unsynchronised; this way the run depends on rank 0's alone, which is what a
+        # checkpoint keeps (see broadcast_buffers).
+        model.register_forward_pre_hook(lambda module, args: broadcast_buffers(module))
+    return model
+
+
+def broadcast_buffers(module: nn.Module) -> None:
+    """Copy rank 0's buffers (BatchNorm statistics, counters) to every rank, in one collective.
+
+    Each rank updates its buffers from its own batches; a checkpoint holds one copy of each, so it takes
+    rank 0's: then a resumed run continues from exactly the buffers an uninterrupted one would use.
+    """
+    buffers = list(module.buffers())
+    if not buffers or not dist.is_initialized() or dist.get_world_size() == 1:
+        return
+    # float64 holds every int64 counter below 2**53 exactly, so one flat tensor carries them all.
+    flat = torch.cat([buffer.detach().reshape(-1).to(torch.float64) for buffer in buffers])
+    dist.broadcast(flat, src=0)
+    offset = 0
+    with torch.no_grad():
+        for buffer in buffers:
+            buffer.copy_(flat[offset:offset + buffer.numel()].view_as(buffer))
+            offset += buffer.numel()

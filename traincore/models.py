@@ -94,6 +94,23 @@ def build_model(cfg: ModelConfig, num_classes: int, shape: tuple[int, int, int],
     return _resnet(cfg.name, channels, num_classes)
 
 
+def shard_units(model: nn.Module) -> list[nn.Module]:
+    """The blocks FSDP shards one by one (each gathered only while it computes), in forward order:
+    transformer layers, residual stages, conv blocks, linear layers. The root takes the rest."""
+    if isinstance(model, SmallCNN):
+        return [m for m in model.features if isinstance(m, nn.Sequential)]
+    if isinstance(model, MLP):
+        return [m for m in model.net if isinstance(m, nn.Linear)]
+    layers = getattr(getattr(model, "encoder", None), "layers", None)  # torchvision VisionTransformer
+    if isinstance(layers, nn.Module):
+        return list(layers)
+    stages = [getattr(model, f"layer{i}", None) for i in range(1, 5)]  # torchvision ResNet
+    if all(isinstance(stage, nn.Module) for stage in stages):
+        return stages
+    raise ValueError(f"{type(model).__name__} has no known blocks to shard: name them in "
+                     "traincore.models.shard_units")
+
+
 def parameter_count(model: nn.Module) -> int:
     """Number of trainable parameters."""
     return sum(p.numel() for p in model.parameters() if p.requires_grad)

@@ -18,6 +18,8 @@ import torch
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
+from traincore.dist import broadcast_buffers
+
 log = logging.getLogger(__name__)
 
 
@@ -49,8 +51,30 @@ def unwrap_model(model: nn.Module) -> nn.Module:
 # only once it saves or loads a checkpoint.
 
 
+def _options(full: bool, offload: bool = False) -> Any:
+    from torch.distributed.checkpoint.state_dict import StateDictOptions
+
+    return StateDictOptions(full_state_dict=full, cpu_offload=offload)
+
+
+def holds_shards(state: Any) -> bool:
+    """Whether a (nested) state holds DTensors, the shards of a sharded (FSDP) run, or full tensors only."""
+    from torch.distributed.tensor import DTensor
+
+    if isinstance(state, dict):
+        return any(holds_shards(value) for value in state.values())
+    if isinstance(state, (list, tuple)):
+        return any(holds_shards(value) for value in state)
+    return isinstance(state, DTensor)
+
+
 class ModelState:
-    """The model's weights under canonical names, whatever wraps it (DDP, torch.compile)."""
+    """The model's weights under canonical names, whatever wraps it (DDP, FSDP, torch.compile).
+
+    ``state_dict`` is this rank's view: full tensors under DDP, this rank's shards (DTensors) under FSDP;
+    ``full_state_dict`` gathers the whole model onto rank 0's CPU (empty elsewhere), for a checkpoint
+    that one process writes. ``load_state_dict`` takes either: full tensors are resharded onto this run.
+    """
 
     def __init__(self, model: nn.Module):
         self.model = model
@@ -58,16 +82,24 @@ class ModelState:
     def state_dict(self) -> dict[str, Any]:
         from torch.distributed.checkpoint.state_dict import get_model_state_dict
 
+        broadcast_buffers(self.model)  # one copy of each buffer is saved: rank 0's, on every rank
         return get_model_state_dict(unwrap_model(self.model))
+
+    def full_state_dict(self) -> dict[str, Any]:
+        from torch.distributed.checkpoint.state_dict import get_model_state_dict
+
+        broadcast_buffers(self.model)
+        return get_model_state_dict(unwrap_model(self.model), options=_options(True, offload=True))
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         from torch.distributed.checkpoint.state_dict import set_model_state_dict
 
-        set_model_state_dict(unwrap_model(self.model), state)
+        set_model_state_dict(unwrap_model(self.model), state, options=_options(not holds_shards(state)))
 
 
 class OptimizerState:
-    """The optimizer's state keyed by parameter names (reshardable), not by position."""
+    """The optimizer's state keyed by parameter names (reshardable), not by position; full or sharded as
+    :class:`ModelState` describes."""
 
     def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer):
         self.model, self.optimizer = model, optimizer
@@ -77,10 +109,17 @@ class OptimizerState:
 
         return get_optimizer_state_dict(unwrap_model(self.model), self.optimizer)
 
+    def full_state_dict(self) -> dict[str, Any]:
+        from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
+
+        return get_optimizer_state_dict(unwrap_model(self.model), self.optimizer,
+                                        options=_options(True, offload=True))
+
     def load_state_dict(self, state: dict[str, Any]) -> None:
         from torch.distributed.checkpoint.state_dict import set_optimizer_state_dict
 
-        set_optimizer_state_dict(unwrap_model(self.model), self.optimizer, state)
+        set_optimizer_state_dict(unwrap_model(self.model), self.optimizer, state,
+                                 options=_options(not holds_shards(state)))
 
 
 class RNGState:
@@ -151,9 +190,11 @@ class StateRegistry:
         assert name not in self.shared and name not in self.per_rank, f"state {name!r} registered twice"
         (self.per_rank if per_rank else self.shared)[name] = member
 
-    def shared_state(self) -> dict[str, Any]:
-        """The shared members' states, in registration order."""
-        return {name: member.state_dict() for name, member in self.shared.items()}
+    def shared_state(self, full: bool = False) -> dict[str, Any]:
+        """The shared members' states, in registration order. ``full``: sharded members (model and
+        optimizer under FSDP) gathered whole onto rank 0 (``full_state_dict``), for a one-writer save."""
+        return {name: member.full_state_dict() if full and hasattr(member, "full_state_dict")
+                else member.state_dict() for name, member in self.shared.items()}
 
     def rank_state(self) -> dict[str, Any]:
         """This rank's per-rank members' states."""

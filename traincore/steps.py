@@ -68,7 +68,9 @@ def train_step(model: nn.Module, optimizer: torch.optim.Optimizer, scheduler, ba
     del logits  # frees the activations' last reference before backward allocates gradients
     loss.backward()
     # The gradient norm is global after DDP's all-reduce, so every rank takes the same decision here.
-    grad_norm = nn.utils.clip_grad_norm_(model.parameters(), cfg.optim.grad_clip or float("inf")).item()
+    norm = nn.utils.clip_grad_norm_(model.parameters(), cfg.optim.grad_clip or float("inf"))
+    # Under FSDP the norm is a DTensor over every rank's shards: the same global figure once made whole.
+    grad_norm = (norm.full_tensor() if hasattr(norm, "full_tensor") else norm).item()
     if not math.isfinite(grad_norm):  # .item(): a host read, cheaper than an isfinite op and its read
         raise NonFiniteLossError(f"non-finite loss or gradients at step {scheduler.last_epoch + 1} (loss "
                                  f"{loss.item():.4g}, gradient norm {grad_norm:.4g}): lower optim.lr "
@@ -88,11 +90,20 @@ def validate(model: nn.Module, split: StagedSplit, batch_size: int, ctx: DistCon
     was_training = model.training
     model.eval()
     loss_sum = correct = 0.0
-    for images, labels in eval_batches(split, batch_size, rank=ctx.rank, world_size=ctx.world_size):
+    # Every rank runs as many forwards as the rank with the most batches: a sharded (FSDP) model gathers
+    # parameters in each forward, a collective that every rank must join. A rank out of batches runs a
+    # one-sample batch again and counts nothing.
+    share = eval_batches(split, batch_size, rank=ctx.rank, world_size=ctx.world_size)
+    per_rank = math.ceil(len(split) / ctx.world_size)
+    rounds = math.ceil(per_rank / batch_size)
+    for _ in range(rounds):
+        batch = next(share, None)
+        images, labels = batch if batch is not None else split.read(np.arange(1))
         labels = labels.to(ctx.device)
         logits = model(normalize(images.to(ctx.device))).float()
-        loss_sum += F.cross_entropy(logits, labels, reduction="sum").item()
-        correct += (logits.argmax(1) == labels).sum().item()
+        if batch is not None:
+            loss_sum += F.cross_entropy(logits, labels, reduction="sum").item()
+            correct += (logits.argmax(1) == labels).sum().item()
     model.train(was_training)
     loss_sum, correct = all_reduce_sum([loss_sum, correct], ctx.device)
     return {"loss": loss_sum / len(split), "accuracy": correct / len(split)}

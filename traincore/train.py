@@ -1,7 +1,8 @@
 """Train on a staged dataset: the Trainer, and its CLI (one process, N local workers, or torchrun's ranks).
 
     python -m traincore.train --data DIR --output DIR [--nproc-per-node N [--max-restarts R]]
-        [--max-steps N | --epochs N] [--checkpoint-every N] [--checkpoint-mode sync|dcp|async] [--seed S]
+        [--max-steps N | --epochs N] [--checkpoint-every N] [--checkpoint-mode sync|dcp|async]
+        [--parallelism ddp|fsdp] [--seed S]
         [--preset NAME] [--config JSON]
     torchrun --nproc-per-node N -m traincore.train --data DIR --output DIR ...
 
@@ -33,16 +34,22 @@ from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 
 from traincore.checkpoint.checkpointer import Checkpointer
 from traincore.checkpoint.layout import CheckpointError
-from traincore.config import Config, ConfigError
+from traincore.config import PARALLELISMS, Config, ConfigError
 from traincore.data.autotune import autotune
 from traincore.data.loader import StagedLoader, StagedSplit
 from traincore.data.manifest import Manifest, StagingError
-from traincore.dist import DistContext, distributed, explain_timeouts, tighten_timeout
+from traincore.dist import (
+    DistContext,
+    distributed,
+    explain_timeouts,
+    parallelize,
+    tighten_timeout,
+)
 from traincore.launch import launch_local, refuse_under_torchrun, start_method
-from traincore.models import build_model, parameter_count
+from traincore.models import build_model, parameter_count, shard_units
 from traincore.preflight import preflight
 from traincore.presets import PRESETS, build_config
-from traincore.state import Progress, training_registry, unwrap_model
+from traincore.state import Progress, training_registry
 from traincore.steps import endless, seed_everything, total_steps, train_step, validate, warmup_cosine
 from traincore.telemetry.metrics import peak_flops, training_flops_per_sample
 from traincore.telemetry.profiling import ProfilerWindow
@@ -127,10 +134,13 @@ class Trainer:
         self.loader, self.val_split = training_loader(cfg, self.data_dir, ctx)
         self.total_steps = total_steps(cfg, self.loader.steps_per_epoch)
         self.startup.mark("loader")
-        self.model = parallel_model(cfg, self.manifest, ctx)
+        model = build_model(cfg.model, self.manifest.num_classes, self.manifest.shape, seed=cfg.train.seed)
+        workload = self._workload(model)
+        self.model = parallelize(model.to(ctx.device), model_units(model, cfg), cfg.dist, ctx,
+                                 bf16=cfg.train.bf16, compile=cfg.model.compile)
         self.optimizer, self.scheduler = optimizer_and_schedule(cfg, self.model, self.total_steps)
         self.startup.mark("model")
-        self.telemetry = Telemetry(cfg.telemetry, self.output, ctx, self._workload(), cfg.to_dict())
+        self.telemetry = Telemetry(cfg.telemetry, self.output, ctx, workload, cfg.to_dict())
         stack.callback(self.telemetry.close)
         self.startup.mark("telemetry")
         seed_everything(cfg.train.seed + ctx.rank)  # per-rank streams (dropout, ...); a resume restores them
@@ -168,15 +178,16 @@ class Trainer:
             self.telemetry.log_eval(self.progress.step, val)
             return self._summary(val["accuracy"])
 
-    def _workload(self) -> Workload:
-        """Steps, batch and FLOPs for telemetry; MFU is measured against the dtype the run computes in."""
+    def _workload(self, model: nn.Module) -> Workload:
+        """Steps, batch and FLOPs for telemetry; MFU is measured against the dtype the run computes in.
+        ``model`` is the bare model, before any wrapping or sharding."""
         dtype = torch.bfloat16 if self.ctx.device.type == "cuda" and self.cfg.train.bf16 else torch.float32
         flops = None
         # Counted only where MFU is reported (rank 0, a device of known peak, e.g. not a CPU): a forward
         # under FlopCounterMode is start-up time (0.1 s for the digits model here). On meta tensors: the
         # weights are untouched.
         if self.ctx.is_main and peak_flops(self.ctx.device, dtype):
-            flops = training_flops_per_sample(unwrap_model(self.model), self.manifest.shape)
+            flops = training_flops_per_sample(model, self.manifest.shape)
         return Workload(total_steps=self.total_steps, global_batch_size=self.loader.global_batch_size,
                         flops_per_sample=flops, dtype=dtype)
 
@@ -268,14 +279,9 @@ def training_loader(cfg: Config, data_dir: Path, ctx: DistContext) -> tuple[Stag
     return loader, val_split
 
 
-def parallel_model(cfg: Config, manifest: Manifest, ctx: DistContext) -> nn.Module:
-    """The model, initialised identically on every rank from the run's seed, on this rank's device,
-    wrapped in DDP across ranks and compiled when asked."""
-    model = build_model(cfg.model, manifest.num_classes, manifest.shape, seed=cfg.train.seed).to(ctx.device)
-    if ctx.distributed:
-        device_ids = [ctx.device.index] if ctx.device.type == "cuda" else None
-        model = nn.parallel.DistributedDataParallel(model, device_ids=device_ids)
-    return torch.compile(model) if cfg.model.compile else model
+def model_units(model: nn.Module, cfg: Config) -> list[nn.Module]:
+    """The blocks FSDP shards one by one (none under DDP)."""
+    return shard_units(model) if cfg.dist.parallelism == "fsdp" else []
 
 
 def optimizer_and_schedule(cfg: Config, model: nn.Module, steps: int) -> tuple[torch.optim.Optimizer, Any]:
@@ -301,7 +307,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     steps.add_argument("--max-steps", type=int, help="train for exactly N optimizer steps")
     steps.add_argument("--epochs", type=int, help="train for N epochs")
     parser.add_argument("--checkpoint-every", type=int, help="save every N steps (0 = only at the end)")
-    parser.add_argument("--checkpoint-mode", choices=("sync", "dcp", "async"))
+    parser.add_argument("--checkpoint-mode", choices=("sync", "dcp", "async"),
+                        help="sync: gather the whole state on rank 0, which writes it; dcp: every rank "
+                             "writes its own part; async: dcp, written in the background")
+    parser.add_argument("--parallelism", choices=PARALLELISMS,
+                        help="ddp: replicate the model on every rank; fsdp: shard parameters, gradients and "
+                             "optimizer state across ranks (FSDP2)")
     parser.add_argument("--checkpoint-dir", help="checkpoint root (default <output>/checkpoints)")
     parser.add_argument("--resume", help="'latest' (default), 'none' or a step number")
     parser.add_argument("--seed", type=int, help="training seed (model init and data order)")
@@ -326,7 +337,8 @@ def check_launch_flags(args: argparse.Namespace) -> None:
 
 _FLAGS = {"train.max_steps": "--max-steps", "train.epochs": "--epochs",
           "checkpoint.every": "--checkpoint-every", "checkpoint.mode": "--checkpoint-mode",
-          "checkpoint.resume": "--resume", "train.seed": "--seed", "overrides": "--config"}
+          "checkpoint.resume": "--resume", "train.seed": "--seed", "dist.parallelism": "--parallelism",
+          "overrides": "--config"}
 
 
 def config_from_args(args: argparse.Namespace) -> Config:
@@ -334,6 +346,7 @@ def config_from_args(args: argparse.Namespace) -> Config:
     settings = {
         "train.max_steps": args.max_steps, "checkpoint.every": args.checkpoint_every,
         "checkpoint.mode": args.checkpoint_mode, "checkpoint.resume": args.resume, "train.seed": args.seed,
+        "dist.parallelism": args.parallelism,
     }
     if args.epochs is not None:
         settings.update({"train.epochs": args.epochs, "train.max_steps": 0})

@@ -47,6 +47,7 @@ def training_pipeline(
     gpus_per_node: int = 0,
     accelerator: str = "",
     max_restarts: int = 0,
+    parallelism: str = "ddp",
     checkpoint_uri: str = "",
     slurm_target: str = "",
     slurm_partition: str = "",
@@ -55,12 +56,14 @@ def training_pipeline(
     slurm_sbatch_flags: str = "",
     slurm_setup: str = "",
 ) -> PipelineOutputs:
-    """Train an image classifier with PyTorch DDP: stage the data, train, export and evaluate the model.
+    """Train an image classifier with PyTorch (DDP or FSDP): stage the data, train, export and evaluate it.
 
     Args:
         source: Dataset: 'digits' (bundled with scikit-learn), 'synthetic' or 'imagefolder:<path-or-URI>'.
-        preset: Starting configuration: 'digits', 'debug' or 'imagenet_like'.
-        config_overrides: JSON applied on top of the preset, e.g. '{"loader": {"batch_size": 64}}'.
+        preset: Starting configuration: 'digits', 'debug', 'vit_tiny' (the small ViT) or 'imagenet_like'.
+        config_overrides: JSON applied on top of the preset, e.g. '{"loader": {"batch_size": 64}}' or
+            '{"model": {"name": "vit_tiny"}}' (models: small_cnn, mlp, resnet18, resnet34, resnet50,
+            vit_b_16, vit_tiny).
         epochs: Train for this many epochs (0 keeps the preset's length).
         max_steps: Train for exactly this many optimizer steps instead of epochs (0 = use epochs).
         backend: Where to train: 'local' (this machine), 'kubernetes' (a PyTorchJob) or 'slurm' (a batch job
@@ -70,6 +73,8 @@ def training_pipeline(
         gpus_per_node: GPUs requested per node (0 = CPU training).
         accelerator: GPU type to run on, e.g. 'nvidia-tesla-a100' (empty = any); needs gpus_per_node >= 1.
         max_restarts: torch-elastic restarts of the worker group before the attempt fails.
+        parallelism: 'ddp' (every process holds the whole model) or 'fsdp' (parameters, gradients and
+            optimizer state sharded across the processes: for models that do not fit one device).
         checkpoint_uri: Durable checkpoint root (path or s3://, gs://...); empty = keyed by execution id under
             the raw output prefix. A retry or relaunch with the same root resumes from its latest checkpoint.
         slurm_target: backend 'slurm': ssh Host alias (~/.ssh/config) or hostname of the login node.
@@ -88,9 +93,10 @@ def training_pipeline(
     plan = plan_run(source=source, preset=preset, config_overrides=config_overrides, epochs=epochs,
                     max_steps=max_steps, backend=backend, nnodes=nnodes, nproc_per_node=nproc_per_node,
                     gpus_per_node=gpus_per_node, accelerator=accelerator, max_restarts=max_restarts,
-                    checkpoint_uri=checkpoint_uri, slurm_target=slurm_target, slurm_partition=slurm_partition,
-                    slurm_account=slurm_account, slurm_time_limit=slurm_time_limit,
-                    slurm_sbatch_flags=slurm_sbatch_flags, slurm_setup=slurm_setup)
+                    parallelism=parallelism, checkpoint_uri=checkpoint_uri, slurm_target=slurm_target,
+                    slurm_partition=slurm_partition, slurm_account=slurm_account,
+                    slurm_time_limit=slurm_time_limit, slurm_sbatch_flags=slurm_sbatch_flags,
+                    slurm_setup=slurm_setup)
     dataset = stage_dataset(data=plan.data, source_fingerprint=plan.source_fingerprint)
     trained = train_on_backend(config=plan.config, dataset=dataset, topology=plan.topology,
                                checkpoint_uri=checkpoint_uri)

@@ -21,8 +21,9 @@ from traincore.presets import preset
 
 PLAN_DEFAULTS = dict(source="digits", preset="digits", config_overrides="", epochs=0, max_steps=0,
                      backend="local", nnodes=1, nproc_per_node=2, gpus_per_node=0, accelerator="",
-                     max_restarts=0, checkpoint_uri="", slurm_target="", slurm_partition="",
-                     slurm_account="", slurm_time_limit="", slurm_sbatch_flags="", slurm_setup="")
+                     max_restarts=0, parallelism="ddp", checkpoint_uri="", slurm_target="",
+                     slurm_partition="", slurm_account="", slurm_time_limit="", slurm_sbatch_flags="",
+                     slurm_setup="")
 
 
 def test_launch_config_layers_preset_overrides_and_inputs():

@@ -1,4 +1,4 @@
-"""The README's config table is generated from the field docstrings in traincore/config.py."""
+"""The config table of docs/config.md is generated from the field docstrings in traincore/config.py."""
 
 from __future__ import annotations
 
@@ -10,15 +10,27 @@ import pytest
 from traincore import config_doc
 from traincore.config import Config
 
-README = Path(__file__).resolve().parents[2] / "README.md"
+ROOT = Path(__file__).resolve().parents[2]
+CONFIG_PAGE = ROOT / "docs" / "config.md"
 SECTIONS = [f.default_factory for f in dataclasses.fields(Config)]
 
 
-def test_readme_table_is_up_to_date():
-    text = README.read_text(encoding="utf-8")
+def test_committed_config_page_is_up_to_date():
+    text = CONFIG_PAGE.read_text(encoding="utf-8")
     assert text.count(config_doc.START) == 1 and text.count(config_doc.END) == 1
     between = text.split(config_doc.START)[1].split(config_doc.END)[0]
-    assert between == "\n" + config_doc.config_table(), "README.md's config table is stale: run `make docs`"
+    assert between == "\n" + config_doc.config_table(), "docs/config.md is stale: run `make docs`"
+    assert config_doc.main(["--check", str(CONFIG_PAGE)]) == 0
+
+
+def test_make_docs_writes_the_config_page():
+    makefile = (ROOT / "Makefile").read_text(encoding="utf-8")
+    recipe = makefile.split("\ndocs:", 1)[1].split("\n\n", 1)[0]
+    assert "-m traincore.config_doc --write docs/config.md" in recipe
+
+
+def test_readme_links_the_config_page():
+    assert "(docs/config.md)" in (ROOT / "README.md").read_text(encoding="utf-8")
 
 
 @pytest.mark.parametrize("cls", [Config, *SECTIONS], ids=lambda cls: cls.__name__)
@@ -37,18 +49,18 @@ def test_one_row_per_field():
 
 
 def test_check_fails_on_drift_and_write_fixes_it(tmp_path, capsys):
-    readme = tmp_path / "README.md"
+    page = tmp_path / "config.md"
     start, end = config_doc.START, config_doc.END
-    readme.write_text(f"intro\n{start}\n| old | table |\n{end}\noutro\n", encoding="utf-8")
-    assert config_doc.main(["--check", str(readme)]) == 1
+    page.write_text(f"intro\n{start}\n| old | table |\n{end}\noutro\n", encoding="utf-8")
+    assert config_doc.main(["--check", str(page)]) == 1
     assert "config table is out of date: run `make docs`" in capsys.readouterr().err
-    assert config_doc.main(["--write", str(readme)]) == 0
-    assert config_doc.main(["--check", str(readme)]) == 0
-    text = readme.read_text(encoding="utf-8")
+    assert config_doc.main(["--write", str(page)]) == 0
+    assert config_doc.main(["--check", str(page)]) == 0
+    text = page.read_text(encoding="utf-8")
     assert text.startswith(f"intro\n{start}\n| field |") and text.endswith(f"{end}\noutro\n")
 
 
 def test_missing_markers_are_an_error(tmp_path):
-    readme = tmp_path / "README.md"
-    readme.write_text("no markers here\n", encoding="utf-8")
-    assert config_doc.main(["--check", str(readme)]) == 2
+    page = tmp_path / "config.md"
+    page.write_text("no markers here\n", encoding="utf-8")
+    assert config_doc.main(["--check", str(page)]) == 2

@@ -160,7 +160,9 @@ class Checkpointer:
         start = time.perf_counter()
         self.wait()
         directory = step_dir(self.root, step)
-        shared, per_rank = self.registry.shared_state(), self._gather(self.registry.rank_state())
+        # sync: the naive way, the whole state gathered onto rank 0, which writes it alone
+        shared = self.registry.shared_state(full=self.cfg.mode == "sync")
+        per_rank = self._gather(self.registry.rank_state())
         if self.rank == 0:
             remove_step(directory)  # a torn (or superseded) leftover of the same step
             directory.mkdir(parents=True)

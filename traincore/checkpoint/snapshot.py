@@ -4,7 +4,8 @@ A save must hold the state at its step, bit for bit. Parameters and optimizer st
 optimizer step, so their copy may overlap the next forward and backward; the Checkpointer waits for it before
 any optimizer step. What the forward changes in place (BatchNorm running statistics, their counters) is small,
 so every tensor of up to SYNC_COPY_BYTES is copied before ``stage`` returns. Non-tensor state never gets here:
-the Checkpointer serialises it when the save begins.
+the Checkpointer serialises it when the save begins. Sharded (FSDP) state arrives as DTensors: each rank
+copies its local shard and hands DCP a DTensor over the copy.
 
 Why not torch's DefaultStager (torch 2.14): it copies untyped storages, and ``UntypedStorage.copy_`` holds
 the GIL for the whole copy, which stalls the training thread as long as a blocking copy would; and its
@@ -70,9 +71,10 @@ class SnapshotStager(AsyncStager):
             if ready is not None:
                 self._stream.wait_event(ready)
             for path, source in sources.items():
-                buffer = self._buffer(path, source)
-                buffer.copy_(source, non_blocking=source.is_cuda)
-                _put(staged, path, buffer)
+                local = _local(source)
+                buffer = self._buffer(path, local)
+                buffer.copy_(local, non_blocking=local.is_cuda)
+                _put(staged, path, _like(source, buffer))
             if any(source.is_cuda for source in sources.values()):
                 torch.cuda.current_stream().synchronize()  # the device-to-host copies have landed
         return staged
@@ -101,8 +103,25 @@ def _sources(tree: dict[str, Any], prefix: tuple[str, ...] = ()) -> dict[tuple[s
         if isinstance(value, dict):
             sources.update(_sources(value, path))
         else:
-            sources[path] = value.clone() if value.nbytes <= SYNC_COPY_BYTES else value
+            sources[path] = _like(value, _local(value).clone()) if _local(value).nbytes <= SYNC_COPY_BYTES \
+                else value
     return sources
+
+
+def _local(tensor: torch.Tensor) -> torch.Tensor:
+    """This rank's part of a tensor: the local shard of a DTensor (FSDP), the tensor itself otherwise."""
+    return tensor.to_local() if hasattr(tensor, "to_local") else tensor
+
+
+def _like(source: torch.Tensor, local: torch.Tensor) -> torch.Tensor:
+    """``local`` (a copy of this rank's part of ``source``) as the same kind of tensor as ``source``: a
+    DTensor over the same mesh and placements, so DCP writes it as this rank's shard of the whole."""
+    if not hasattr(source, "to_local"):
+        return local
+    from torch.distributed.tensor import DTensor
+
+    return DTensor.from_local(local, source.device_mesh, source.placements, run_check=False,
+                              shape=source.shape, stride=source.stride())
 
 
 def _put(tree: dict[str, Any], path: tuple[str, ...], value: torch.Tensor) -> None:

@@ -1,0 +1,440 @@
+"""Every command shown in README.md and docs/*.md exists as written, and every relative link resolves.
+
+A command is a line of a fenced code block (backslash continuations joined, a leading ``$ `` prompt dropped)
+or an inline code span. What is checked:
+
+- ``python -m <module> ...`` and ``torchrun ... -m <module> ...`` for a module of this repository: the module
+  exists and its argparse parser accepts every ``--flag`` shown (and the subcommand shown, if it has some);
+  the parser is captured by running the module as ``__main__`` until it parses its arguments, nothing more;
+- ``python <script>.py --flag`` for a script of this repository: the same;
+- ``pyflyte ... run <file>.py <workflow> --<input> ...``: the workflow exists and takes every input shown;
+- ``make <target>``: a target of the Makefile;
+- ``scripts/<name>`` and every other repository path the pages name (traincore/..., tests/..., ...) exist;
+- every relative link ``[text](path#anchor)`` resolves to a file and, for a page, to one of its headings.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import importlib.util
+import os
+import re
+import runpy
+import shlex
+import sys
+import warnings
+from dataclasses import dataclass
+from functools import cache
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+REPO_PACKAGES = ("traincore", "tasks", "workflows", "replay", "bench")
+PATH_PREFIXES = ("traincore", "tasks", "tests", "workflows", "replay", "bench", "scripts", "dockerfiles",
+                 "docs", ".ci")
+SEPARATORS = {"&&", "||", ";", "|", "&"}
+FENCE = re.compile(r"^\s*(```|~~~)")
+INLINE_CODE = re.compile(r"`([^`]+)`")
+LINK = re.compile(r"(?<!!)\[[^\]]*\]\(([^)\s]+)\)")
+REPO_PATH = re.compile(r"(?<![\w./~$-])((?:" + "|".join(map(re.escape, PATH_PREFIXES)) + r")/[\w./-]*)")
+
+
+@dataclass(frozen=True)
+class Command:
+    page: str
+    line: int
+    tokens: tuple[str, ...]
+
+    @property
+    def id(self) -> str:
+        text = " ".join(self.tokens)
+        return f"{self.page}:{self.line}: {text[:70]}"
+
+
+# --- reading the pages ---------------------------------------------------------------------------------
+
+
+def split_fences(text: str) -> tuple[list[tuple[int, str]], str]:
+    """(the lines inside fenced code blocks with their line numbers, the prose with those lines blanked)."""
+    code, prose, inside = [], [], False
+    for number, line in enumerate(text.splitlines(), start=1):
+        if FENCE.match(line):
+            inside = not inside
+            prose.append("")
+        elif inside:
+            code.append((number, line))
+            prose.append("")
+        else:
+            prose.append(line)
+    return code, "\n".join(prose)
+
+
+def tokenize(text: str) -> list[str]:
+    """Shell words of ``text``, comments dropped, ``&&``/``|``/``;`` as tokens of their own."""
+    lexer = shlex.shlex(text, posix=True, punctuation_chars=True)
+    lexer.whitespace_split = True
+    try:
+        return list(lexer)
+    except ValueError:  # an unbalanced quote in a shortened example: plain words will do
+        return text.split("#")[0].split()
+
+
+def commands_in(snippet: str) -> list[list[str]]:
+    """The simple commands of a snippet: split at separators; env assignments, ``sudo``, ``$`` dropped."""
+    snippet = snippet.replace("\\|", "|")
+    result, current = [], []
+    for token in [*tokenize(snippet), ";"]:
+        if token in SEPARATORS:
+            while current and (current[0] in ("$", "sudo") or re.fullmatch(r"[A-Za-z_]\w*=.*", current[0])):
+                current.pop(0)
+            if current:
+                result.append(current)
+            current = []
+        else:
+            current.append(token)
+    return result
+
+
+def page_commands(page: Path) -> list[Command]:
+    text = page.read_text(encoding="utf-8")
+    name = page.relative_to(ROOT).as_posix()
+    code, prose = split_fences(text)
+    found = []
+    pending, start = "", 0
+    for number, line in code:
+        stripped = line.strip()
+        if stripped.startswith("$ "):
+            stripped = stripped[2:]
+        if not pending:
+            start = number
+        if stripped.endswith("\\"):
+            pending += stripped[:-1] + " "
+            continue
+        found += [Command(name, start, tuple(c)) for c in commands_in(pending + stripped)]
+        pending = ""
+    for match in INLINE_CODE.finditer(prose):
+        number = prose.count("\n", 0, match.start()) + 1
+        found += [Command(name, number, tuple(c)) for c in commands_in(match.group(1).replace("\n", " "))]
+    return found
+
+
+ALL_COMMANDS = [command for page in PAGES for command in page_commands(page)]
+
+
+def is_python(token: str) -> bool:
+    return re.fullmatch(r"python(3(\.\d+)?)?", os.path.basename(token)) is not None
+
+
+def module_command(tokens: tuple[str, ...]) -> tuple[str, list[str]] | None:
+    """(module, its arguments) of ``python -m M ...`` / ``torchrun ... -m M ...`` for a module of ours."""
+    if not (is_python(tokens[0]) or os.path.basename(tokens[0]) == "torchrun") or "-m" not in tokens:
+        return None
+    at = tokens.index("-m")
+    if at + 1 >= len(tokens) or tokens[at + 1].split(".")[0] not in REPO_PACKAGES:
+        return None
+    return tokens[at + 1], list(tokens[at + 2:])
+
+
+def script_command(tokens: tuple[str, ...]) -> tuple[str, list[str]] | None:
+    """(script path, its arguments) of ``python <path>.py ...`` for a path inside this repository."""
+    if is_python(tokens[0]) and len(tokens) > 1 and tokens[1].endswith(".py") \
+            and tokens[1].split("/")[0] in PATH_PREFIXES:
+        return tokens[1], list(tokens[2:])
+    return None
+
+
+def pyflyte_run(tokens: tuple[str, ...]) -> tuple[str, str, list[str]] | None:
+    """(file, entity, arguments) of ``pyflyte ... run [options] <file>.py <entity> ...``."""
+    if os.path.basename(tokens[0]) != "pyflyte" or "run" not in tokens:
+        return None
+    rest = tokens[tokens.index("run") + 1:]
+    files = [i for i, token in enumerate(rest) if token.endswith(".py")]
+    if not files or files[0] + 1 >= len(rest):
+        return None
+    return rest[files[0]], rest[files[0] + 1], list(rest[files[0] + 2:])
+
+
+def make_targets_of(tokens: tuple[str, ...]) -> list[str]:
+    if os.path.basename(tokens[0]) != "make":
+        return []
+    return [t for t in tokens[1:] if not t.startswith("-") and "=" not in t]
+
+
+# --- what the repository offers ------------------------------------------------------------------------
+
+
+class _Parsed(Exception):
+    def __init__(self, parser: argparse.ArgumentParser):
+        super().__init__("parsed")
+        self.parser = parser
+
+
+@cache
+def parser_of(target: str) -> argparse.ArgumentParser:
+    """The argparse parser of a module (``pkg.mod``) or script (``path.py``), captured as it parses its
+    arguments when run as ``__main__`` (with ``--help`` as its argv, in case it does not use argparse)."""
+
+    def capture(self, args=None, namespace=None):
+        raise _Parsed(self)
+
+    original, saved_argv, saved_path = argparse.ArgumentParser.parse_known_args, sys.argv, list(sys.path)
+    argparse.ArgumentParser.parse_known_args = capture
+    sys.argv = [target, "--help"]
+    try:
+        if target.endswith(".py"):
+            runpy.run_path(str(ROOT / target), run_name="__main__")
+        else:
+            with warnings.catch_warnings():  # runpy warns when the module was imported before: harmless here
+                warnings.simplefilter("ignore", RuntimeWarning)
+                runpy.run_module(target, run_name="__main__", alter_sys=True)
+    except _Parsed as parsed:
+        return parsed.parser
+    except SystemExit as exc:
+        raise AssertionError(f"{target} exited ({exc.code}) before parsing arguments with argparse") from exc
+    finally:
+        argparse.ArgumentParser.parse_known_args = original
+        sys.argv, sys.path[:] = saved_argv, saved_path
+    raise AssertionError(f"{target} ran to its end without parsing arguments with argparse")
+
+
+def _options(parser: argparse.ArgumentParser) -> dict[str, argparse.Action]:
+    return {option: action for action in parser._actions for option in action.option_strings}
+
+
+def _subcommands(parser: argparse.ArgumentParser) -> dict[str, argparse.ArgumentParser]:
+    return next((dict(a.choices) for a in parser._actions if isinstance(a, argparse._SubParsersAction)), {})
+
+
+def _values_taken(nargs, following: list[str]) -> int:
+    """How many of ``following`` an option with this ``nargs`` consumes."""
+    if nargs == 0:
+        return 0
+    if nargs is None:
+        return 1
+    if isinstance(nargs, int):
+        return nargs
+    count = 0
+    while count < len(following) and not following[count].startswith("-"):
+        count += 1
+        if nargs == "?":
+            break
+    return count
+
+
+def flag_problems(target: str, args: list[str]) -> list[str]:
+    """What in ``args`` the parser of ``target`` would not accept as written: unknown flags, subcommands."""
+    parser = parser_of(target)
+    options, subcommands = _options(parser), _subcommands(parser)
+    problems, i, chosen = [], 0, False
+    while i < len(args):
+        token = args[i]
+        if token.startswith("--"):
+            flag = token.split("=", 1)[0]
+            action = options.get(flag)
+            if action is None:
+                problems.append(f"{target} has no option {flag} (it has {', '.join(sorted(options))})")
+                i += 1
+                continue
+            i += 1 + (0 if "=" in token else _values_taken(action.nargs, args[i + 1:]))
+            continue
+        if subcommands and not chosen and not token.startswith("-"):
+            chosen = True
+            if token not in subcommands:
+                known = ", ".join(sorted(subcommands))
+                problems.append(f"{target} has no subcommand {token} (it has {known})")
+            else:
+                options = {**options, **_options(subcommands[token])}
+        i += 1
+    return problems
+
+
+@cache
+def workflow_inputs(file: str, entity: str) -> dict[str, type]:
+    module = importlib.import_module(Path(file).with_suffix("").as_posix().replace("/", "."))
+    if not hasattr(module, entity):
+        raise AssertionError(f"{file} has no workflow or task {entity}")
+    return dict(getattr(module, entity).python_interface.inputs)
+
+
+def input_problems(file: str, entity: str, args: list[str]) -> list[str]:
+    if not (ROOT / file).is_file():
+        return [f"{file} does not exist"]
+    inputs = workflow_inputs(file, entity)
+    problems, i = [], 0
+    while i < len(args):
+        token = args[i]
+        i += 1
+        if not token.startswith("--") or token == "--help":
+            continue
+        name = token[2:].split("=", 1)[0]
+        if name not in inputs:
+            problems.append(f"{entity} ({file}) has no input {name} (it has {', '.join(inputs)})")
+        elif "=" not in token and inputs[name] is not bool:
+            i += 1
+    return problems
+
+
+@cache
+def makefile_targets() -> set[str]:
+    targets = set()
+    for line in (ROOT / "Makefile").read_text(encoding="utf-8").splitlines():
+        match = re.match(r"^([A-Za-z0-9_.-][A-Za-z0-9_. -]*):(?!=)", line)
+        if match:
+            targets.update(match.group(1).split())
+    return targets
+
+
+def slug(heading: str) -> str:
+    """The anchor GitHub gives a heading: lower case, punctuation dropped, spaces as hyphens."""
+    return re.sub(r"[^\w\- ]", "", heading.strip().lower()).replace(" ", "-")
+
+
+@cache
+def anchors(page: Path) -> set[str]:
+    _, prose = split_fences(page.read_text(encoding="utf-8"))
+    seen: dict[str, int] = {}
+    result = set()
+    for line in prose.splitlines():
+        match = re.match(r"^#{1,6}\s+(.*?)\s*#*\s*$", line)
+        if match:
+            base = slug(match.group(1))
+            count = seen.get(base, 0)
+            seen[base] = count + 1
+            result.add(base if count == 0 else f"{base}-{count}")
+    return result
+
+
+def link_problems(page: Path) -> list[str]:
+    _, prose = split_fences(page.read_text(encoding="utf-8"))
+    problems = []
+    for match in LINK.finditer(re.sub(r"`[^`]*`", "", prose)):
+        target = match.group(1)
+        if re.match(r"^[a-z][a-z0-9+.-]*:", target):  # http:, https:, mailto:
+            continue
+        path, _, anchor = target.partition("#")
+        resolved = (page.parent / path).resolve() if path else page
+        if not resolved.exists():
+            problems.append(f"link {target}: {path} does not exist")
+        elif anchor and resolved.suffix == ".md" and anchor not in anchors(resolved):
+            problems.append(f"link {target}: {resolved.name} has no heading #{anchor}")
+    return problems
+
+
+def path_problems(page: Path) -> list[str]:
+    text = page.read_text(encoding="utf-8")
+    problems = []
+    for match in REPO_PATH.finditer(text):
+        following = text[match.end():match.end() + 1]
+        if following in ("*", "<", "{", "["):  # a pattern (bench/results/latest.*), not a path
+            continue
+        path = match.group(1).rstrip(".,:")
+        if not (ROOT / path).exists():
+            problems.append(f"{path} does not exist")
+    return sorted(set(problems))
+
+
+# --- the tests ------------------------------------------------------------------------------------------
+
+
+def _pick(kind) -> list:
+    return [pytest.param(c, id=c.id) for c in ALL_COMMANDS if kind(c.tokens)]
+
+
+@pytest.mark.parametrize("command", _pick(module_command))
+def test_module_commands_exist_with_their_flags(command):
+    module, args = module_command(command.tokens)
+    assert importlib.util.find_spec(module) is not None, f"{command.id}: no module {module}"
+    if args:
+        problems = flag_problems(module, args)
+        assert not problems, f"{command.id}: " + "; ".join(problems)
+
+
+@pytest.mark.parametrize("command", _pick(script_command))
+def test_script_commands_exist_with_their_flags(command):
+    script, args = script_command(command.tokens)
+    assert (ROOT / script).is_file(), f"{command.id}: {script} does not exist"
+    if any(a.startswith("--") for a in args):
+        problems = flag_problems(script, args)
+        assert not problems, f"{command.id}: " + "; ".join(problems)
+
+
+@pytest.mark.parametrize("command", _pick(pyflyte_run))
+def test_pyflyte_run_names_inputs_of_the_workflow(command):
+    problems = input_problems(*pyflyte_run(command.tokens))
+    assert not problems, f"{command.id}: " + "; ".join(problems)
+
+
+@pytest.mark.parametrize("command", _pick(make_targets_of))
+def test_make_targets_exist(command):
+    missing = [t for t in make_targets_of(command.tokens) if t not in makefile_targets()]
+    assert not missing, f"{command.id}: no Makefile target {missing}"
+
+
+@pytest.mark.parametrize("command", _pick(lambda tokens: re.fullmatch(r"scripts/[\w.-]+", tokens[0])))
+def test_scripts_exist_and_are_executable(command):
+    script = ROOT / command.tokens[0]
+    assert script.is_file() and os.access(script, os.X_OK), f"{command.id}: not an executable file"
+
+
+def _installs_an_extra(tokens: tuple[str, ...]) -> bool:
+    return tokens[0] == "pip" and any("flyte-torch-pipeline[" in token for token in tokens)
+
+
+@pytest.mark.parametrize("command", _pick(_installs_an_extra))
+def test_pip_extras_exist(command):
+    pyproject = (ROOT / "pyproject.toml").read_text(encoding="utf-8")
+    section = pyproject.split("[project.optional-dependencies]", 1)[1].split("\n[", 1)[0]
+    extras = set(re.findall(r"^([\w-]+)\s*=", section, flags=re.MULTILINE))
+    named = [token.split("[", 1)[1].rstrip("]") for token in command.tokens if "-pipeline[" in token]
+    missing = [extra for name in named for extra in name.split(",") if extra not in extras]
+    assert not missing, f"{command.id}: pyproject.toml has no extra {missing}"
+
+
+@pytest.mark.parametrize("page", PAGES, ids=lambda p: p.relative_to(ROOT).as_posix())
+def test_relative_links_resolve(page):
+    problems = link_problems(page)
+    assert not problems, "; ".join(problems)
+
+
+@pytest.mark.parametrize("page", PAGES, ids=lambda p: p.relative_to(ROOT).as_posix())
+def test_repository_paths_exist(page):
+    problems = path_problems(page)
+    assert not problems, "; ".join(problems)
+
+
+def test_readme_is_a_front_page():
+    text = (ROOT / "README.md").read_text(encoding="utf-8")
+    assert len(text.splitlines()) <= 250
+    code, _ = split_fences(text.split("## Quickstart", 1)[1].split("\n## ", 1)[0])
+    assert [line.split("#")[0].strip() for _, line in code] == ["make run", "make test"]
+    linked = {m.group(1).split("#")[0] for m in LINK.finditer(text)}
+    pages = {p.relative_to(ROOT).as_posix() for p in PAGES[1:]}
+    assert pages <= linked, f"docs/ pages the README does not link: {sorted(pages - linked)}"
+
+
+def test_the_pages_show_commands_of_every_kind():
+    """The collector finds what it is meant to check (a broken one would pass everything)."""
+    kinds = {"module": module_command, "script": script_command, "pyflyte run": pyflyte_run,
+             "make": make_targets_of}
+    for kind, pick in kinds.items():
+        assert _pick(pick), f"no {kind} command found in {[p.name for p in PAGES]}"
+    modules = {module_command(c.tokens)[0] for c in ALL_COMMANDS if module_command(c.tokens)}
+    assert {"traincore.stage", "traincore.train", "traincore.export", "traincore.evaluate"} <= modules
+
+
+def test_the_checks_fail_on_what_does_not_exist(tmp_path):
+    [problem] = flag_problems("traincore.train", ["--data", "d", "--no-such-flag", "1"])
+    assert problem.startswith("traincore.train has no option --no-such-flag (it has ")
+    assert not flag_problems("traincore.train", ["--data", "d", "--config", '{"optim.lr": 0.01}'])
+    assert flag_problems("traincore.registry", ["promote", "uri"])
+    assert input_problems("workflows/pipeline.py", "training_pipeline", ["--no_such_input", "1"])
+    assert not input_problems("workflows/pipeline.py", "training_pipeline", ["--slurm_setup", "--x=1"])
+    assert "no-such-target" not in makefile_targets() and {"run", "test", "docs"} <= makefile_targets()
+    page = tmp_path / "page.md"
+    page.write_text("# Title\n\n[ok](#title) [gone](missing.md) [bad](#nowhere)\n", encoding="utf-8")
+    assert len(link_problems(page)) == 2
+    page.write_text("see `traincore/no_such_module.py`, `tasks/slurm/connector.py`\n", encoding="utf-8")
+    assert path_problems(page) == ["traincore/no_such_module.py does not exist"]
