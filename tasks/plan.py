@@ -38,12 +38,13 @@ class LaunchInputError(ValueError):
 
 INPUT_LABELS = {"preset": "input preset", "overrides": "input config_overrides",
                 "data.source": "input source", "train.max_steps": "input max_steps",
-                "train.epochs": "input epochs"}
+                "train.epochs": "input epochs", "dist.parallelism": "input parallelism"}
 
 
-def launch_config(preset_name: str, config_overrides: str, source: str, epochs: int,
-                  max_steps: int) -> Config:
-    """Preset, then the JSON overrides, then the explicit inputs (source, epochs or max_steps)."""
+def launch_config(preset_name: str, config_overrides: str, source: str, epochs: int, max_steps: int,
+                  parallelism: str = "") -> Config:
+    """Preset, then the JSON overrides, then the explicit inputs (source, epochs or max_steps, parallelism;
+    an empty one keeps the preset's)."""
     if epochs and max_steps:
         raise LaunchInputError(f"epochs={epochs} and max_steps={max_steps} are both set: give one of them "
                                "(0 keeps the preset's)")
@@ -52,6 +53,8 @@ def launch_config(preset_name: str, config_overrides: str, source: str, epochs: 
         settings["train.max_steps"] = max_steps
     if epochs:
         settings.update({"train.epochs": epochs, "train.max_steps": 0})
+    if parallelism:
+        settings["dist.parallelism"] = parallelism
     try:
         return build_config(preset_name, config_overrides, settings, INPUT_LABELS)
     except ConfigError as exc:
@@ -258,13 +261,13 @@ class RunPlan(NamedTuple):
 @task
 def plan_run(source: str, preset: str, config_overrides: str, epochs: int, max_steps: int, backend: str,
              nnodes: int, nproc_per_node: int, gpus_per_node: int, accelerator: str, max_restarts: int,
-             checkpoint_uri: str, slurm_target: str, slurm_partition: str, slurm_account: str,
-             slurm_time_limit: str, slurm_sbatch_flags: str, slurm_setup: str) -> RunPlan:
+             parallelism: str, checkpoint_uri: str, slurm_target: str, slurm_partition: str,
+             slurm_account: str, slurm_time_limit: str, slurm_sbatch_flags: str, slurm_setup: str) -> RunPlan:
     """Validate the launch inputs and resolve them into the run's Config and Topology; fingerprint the
     source (uncached: every run sees the source as it is now)."""
     slurm = SlurmSettings(target=slurm_target, partition=slurm_partition, account=slurm_account,
                           time_limit=slurm_time_limit, sbatch_flags=slurm_sbatch_flags, setup=slurm_setup)
-    cfg = launch_config(preset, config_overrides, source, epochs, max_steps)
+    cfg = launch_config(preset, config_overrides, source, epochs, max_steps, parallelism)
     check_source(cfg.data.source)
     topology = Topology(backend=backend, nnodes=nnodes, nproc_per_node=nproc_per_node,
                         gpus_per_node=gpus_per_node, accelerator=accelerator, max_restarts=max_restarts,
@@ -279,5 +282,6 @@ def plan_run(source: str, preset: str, config_overrides: str, epochs: int, max_s
     fingerprint = fingerprint_source(cfg.data)  # last: a large remote folder takes longest
     length = f"{cfg.train.max_steps} steps" if cfg.train.max_steps else f"{cfg.train.epochs} epochs"
     print(f"plan: preset {preset}, source {cfg.data.source} ({fingerprint}), model {cfg.model.name}, "
-          f"{length}; {nnodes} node(s) x {nproc_per_node} process(es) on {backend}", flush=True)
+          f"{length}; {nnodes} node(s) x {nproc_per_node} process(es) on {backend}, "
+          f"{cfg.dist.parallelism}", flush=True)
     return RunPlan(config=cfg, data=cfg.data, topology=topology, source_fingerprint=fingerprint)

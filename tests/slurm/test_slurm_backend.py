@@ -138,7 +138,8 @@ def test_a_job_killed_on_its_node_fails_the_task_with_its_state(slurm_loopback, 
 
 
 PLAN = dict(source="digits", preset="digits", config_overrides="", epochs=0, max_steps=10, backend="slurm",
-            nnodes=1, nproc_per_node=1, gpus_per_node=0, accelerator="", max_restarts=0, checkpoint_uri="",
+            nnodes=1, nproc_per_node=1, gpus_per_node=0, accelerator="", max_restarts=0, parallelism="ddp",
+            checkpoint_uri="",
             slurm_partition="", slurm_account="", slurm_time_limit="", slurm_sbatch_flags="", slurm_setup="")
 
 

@@ -1,0 +1,63 @@
+"""Running the train CLI for tests: torchrun commands over a small staged dataset, killing a run's whole
+process tree as a node failure would, and reading what a run leaves."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import torch
+
+from traincore.export import export
+
+TINY = {"model": {"name": "small_cnn", "width": 8}, "optim": {"lr": 3e-3, "warmup_steps": 2},
+        "loader": {"batch_size": 8}, "telemetry": {"log_every": 2}}
+
+
+def train_cmd(data: Path, output: Path, nproc: int, *extra: str, config: dict | None = None) -> list[str]:
+    launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}"]
+    return [*launcher, "-m", "traincore.train", "--data", str(data), "--output", str(output),
+            "--preset", "debug", "--config", json.dumps(config or TINY), *extra]
+
+
+def run_train(*args, **kwargs) -> subprocess.CompletedProcess:
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    done = subprocess.run(train_cmd(*args, **kwargs), capture_output=True, text=True, timeout=300, env=env)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    return done
+
+
+def kill_tree(pid: int) -> None:
+    """SIGKILL a process tree, as a node failure would (elastic workers get their own sessions)."""
+    children: dict[int, list[int]] = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        children.setdefault(int(fields[1]), []).append(int(stat.parent.name))
+    doomed, queue = [], [pid]
+    while queue:
+        doomed.append(queue.pop())
+        queue.extend(children.get(doomed[-1], []))
+    for victim in doomed:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(victim, signal.SIGKILL)
+
+
+def final_weights(output: Path) -> dict[str, torch.Tensor]:
+    model = output / "model.safetensors"
+    export(output / "checkpoints", model)
+    from safetensors.torch import load_file
+
+    return load_file(model)
+
+
+def train_losses(output: Path) -> list[float]:
+    rows = [json.loads(line) for line in (output / "metrics.jsonl").read_text().splitlines()]
+    return [row["loss"] for row in rows if row.get("kind") == "train"]
