@@ -51,15 +51,16 @@ replay: install
 lint: install-dev
 	$(BIN)/ruff check traincore tasks workflows replay tests bench
 
-# The README's config table, generated from the field docstrings in traincore/config.py.
+# The config table of docs/config.md, generated from the field docstrings in traincore/config.py.
 docs: install
-	$(BIN)/python -m traincore.config_doc --write README.md
+	$(BIN)/python -m traincore.config_doc --write docs/config.md
 
 clean:
 	rm -rf runs .pytest_cache
 
 # Build the CPU image with podman from a local Debian base and run the workflow inside it as the image's
-# non-root user (needs podman, buildah, debootstrap; about 10 minutes cold). Not part of `make test`.
+# non-root user (about 10 minutes cold). Installs podman, buildah and debootstrap with apt-get first when
+# they are missing and it runs as root (scripts/ensure-image-tools). Not part of `make test`.
 .PHONY: image-check
 image-check:
 	scripts/image-check

@@ -51,7 +51,7 @@ from traincore.preflight import preflight
 from traincore.presets import PRESETS, build_config
 from traincore.state import Progress, training_registry
 from traincore.steps import endless, seed_everything, total_steps, train_step, validate, warmup_cosine
-from traincore.telemetry.metrics import peak_flops, training_flops_per_sample
+from traincore.telemetry.metrics import peak_flops, state_bytes, training_flops_per_sample
 from traincore.telemetry.profiling import ProfilerWindow
 from traincore.telemetry.reporting import Telemetry, Workload, logging_setup
 from traincore.telemetry.startup import StartupClock, process_start_time
@@ -235,6 +235,7 @@ class Trainer:
                 tighten_timeout(cfg.dist)  # start-up is over: a hung peer should now fail fast
                 self.startup.mark("first step")
                 self.telemetry.log_startup(step, self.startup)
+                self.telemetry.log_state_bytes(step, *state_bytes(self.model, self.optimizer))
             if step % cfg.train.gc_every == 0:
                 gc.collect()
             if cfg.train.eval_every and step % cfg.train.eval_every == 0 and not last:

@@ -3,13 +3,17 @@
 ``connect`` turns every failure (unknown host, wrong port, refused, unknown or changed host key, missing key,
 rejected key, timeout) into a ``SlurmConnectionError`` that names the problem and the fix. Every network
 step has a timeout, and nothing here exits the process.
+
+asyncssh reads the OpenSSH config itself (Host and Match blocks, Include, HostName, Port, User, IdentityFile,
+UserKnownHostsFile, ProxyJump): this module adds only what asyncssh leaves open, that a config can never turn
+host key checking off, and the resolved settings for its error messages.
 """
 
 from __future__ import annotations
 
 import asyncio
 import errno
-import fnmatch
+import getpass
 import logging
 import os
 import socket
@@ -18,6 +22,7 @@ from pathlib import Path
 from typing import Any
 
 import asyncssh
+from asyncssh.config import SSHClientConfig
 
 from tasks.slurm.states import SlurmError
 
@@ -26,8 +31,6 @@ log = logging.getLogger(__name__)
 
 class SlurmConnectionError(SlurmError):
     """The SSH connection to the Slurm login node could not be made or was lost."""
-
-
 
 
 @dataclass(frozen=True)
@@ -67,30 +70,43 @@ class _Endpoint:
     host: str
     port: int
     user: str
+    aliased: bool  # the ssh config makes it a Host alias: a wrong Port or HostName is fixed there
 
     def __str__(self) -> str:
         via = f" (Host alias {self.alias!r})" if self.alias != self.host else ""
         return f"{self.user}@{self.host}:{self.port}{via}"
 
 
-def host_alias_known(alias: str, config_path: str | os.PathLike[str] | None = None) -> bool:
-    """True when ``~/.ssh/config`` (or ``config_path``) has a ``Host`` pattern other than ``*`` that matches
-    ``alias``: a pre-flight check that a configured alias was not mistyped. ``Include`` is not followed."""
+def ssh_config(host: str, config_path: str | os.PathLike[str] | None = None) -> SSHClientConfig:
+    """asyncssh's reading of ``~/.ssh/config`` (or ``config_path``) for ``host``: the Host and Match blocks
+    that apply to it, Include followed, exactly as ``asyncssh.connect`` applies them. A missing or unreadable
+    file counts as empty (as in asyncssh and OpenSSH); one asyncssh cannot parse raises
+    ``SlurmConnectionError`` naming the file and line."""
     path = Path(config_path) if config_path else Path("~/.ssh/config").expanduser()
     try:
-        lines = path.read_text(encoding="utf-8", errors="replace").splitlines()
-    except OSError:
-        return False
-    for line in lines:
-        words = line.split("#", 1)[0].replace("=", " ").split()
-        if len(words) < 2 or words[0].lower() != "host":
-            continue
-        patterns = words[1:]
-        negated = any(fnmatch.fnmatch(alias, p[1:]) for p in patterns if p.startswith("!"))
-        if not negated and any(p != "*" and not p.startswith("!") and fnmatch.fnmatch(alias, p)
-                               for p in patterns):
-            return True
-    return False
+        local_user = getpass.getuser()
+    except (KeyError, OSError):  # no passwd entry and no USER: only 'Match localuser' and %u need it
+        local_user = ""
+    paths = [path] if os.access(path, os.R_OK) else []
+    try:
+        # The arguments asyncssh.connect passes: no earlier config, no reload, not canonicalised, not the
+        # 'Match final' pass; () leaves User and Port to the config.
+        return SSHClientConfig.load(None, paths, False, False, False, local_user, (), host, ())
+    except (OSError, ValueError) as exc:
+        raise SlurmConnectionError(f"cannot read the ssh config {path}: {exc}") from None
+
+
+def _names_an_alias(config: SSHClientConfig) -> bool:
+    """The config points the name elsewhere (HostName) or reaches it through a jump host or proxy command:
+    what a Host alias does. A block that only sets User or Port for a real hostname is not an alias."""
+    return any(config.get(option) for option in ("Hostname", "ProxyJump", "ProxyCommand"))
+
+
+def host_alias_known(alias: str, config_path: str | os.PathLike[str] | None = None) -> bool:
+    """True when ``~/.ssh/config`` (or ``config_path``) makes ``alias`` a Host alias: a Host or Match block
+    that applies to it sets HostName, ProxyJump or ProxyCommand. A pre-flight check that a configured alias
+    was not mistyped, read by asyncssh as the connection will read it."""
+    return _names_an_alias(ssh_config(alias, config_path))
 
 
 def _known_hosts_db(target: SlurmTarget, configured: Any) -> tuple[asyncssh.SSHKnownHosts, list[str]]:
@@ -153,7 +169,9 @@ async def _client_options(target: SlurmTarget) -> tuple[asyncssh.SSHClientConnec
                                    f"{exc}") from None
     db, files = _known_hosts_db(target, options.known_hosts)
     options = await asyncssh.SSHClientConnectionOptions.construct(options, known_hosts=db)
-    endpoint = _Endpoint(target.host, options.host, options.port, options.username)
+    # asyncssh's resolved settings: its options and the config object it parsed for this host
+    endpoint = _Endpoint(target.host, options.host, options.port, options.username,
+                         _names_an_alias(options.config))
     return options, endpoint, files
 
 
@@ -186,7 +204,7 @@ def _is_refused(exc: OSError) -> bool:
 def _connection_error(exc: BaseException, endpoint: _Endpoint, files: list[str], timeout_s: float) -> str:
     """A message that names the problem with this connection attempt and how to fix it."""
     fix_port = (f"Port for Host {endpoint.alias!r} in ~/.ssh/config or SlurmTarget.port"
-                if host_alias_known(endpoint.alias) else "SlurmTarget.port (or a Host alias, ~/.ssh/config)")
+                if endpoint.aliased else "SlurmTarget.port (or a Host alias, ~/.ssh/config)")
     if isinstance(exc, asyncssh.HostKeyNotVerifiable):
         return _host_key_message(endpoint, files)
     if isinstance(exc, asyncssh.PermissionDenied):

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 from tasks.slurm.client import SlurmClient
-from tasks.slurm.ssh import SlurmConnectionError, SlurmTarget, connect
+from tasks.slurm.ssh import SlurmConnectionError, SlurmTarget, connect, host_alias_known
 from tasks.slurm.states import JobInfo, Outcome, SlurmError
 
 pytestmark = pytest.mark.slurm
@@ -163,6 +163,8 @@ def test_connection_errors_are_specific_and_bounded(slurm_cluster, tmp_path, cas
 
 
 def test_the_real_host_key_is_accepted(slurm_cluster):
+    assert host_alias_known(slurm_cluster)  # the Host block `slurm-loopback up` wrote, as asyncssh reads it
+
     async def main():
         conn = await connect(SlurmTarget(slurm_cluster, connect_timeout_s=CONNECT_TIMEOUT_S))
         try:

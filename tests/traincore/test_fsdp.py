@@ -152,3 +152,20 @@ def test_every_model_names_its_blocks_for_sharding(name):
         model = build_model(ModelConfig(name=name), 10, shape)
     units = shard_units(model)
     assert len(units) >= 3 and all(any(unit is module for module in model.modules()) for unit in units)
+
+
+def test_telemetry_reports_the_model_state_each_rank_holds(saved):
+    """Under FSDP on 2 ranks each holds about half of the parameters and optimizer state that one rank
+    holding the whole model does."""
+    def memory(name: str) -> dict:
+        rows = [json.loads(line) for line in (saved(name).parent / "metrics.jsonl").read_text().splitlines()]
+        return next(row for row in rows if row["kind"] == "memory")
+
+    whole, sharded = memory("ddp-dcp-1"), memory("fsdp-dcp-2")
+    assert whole["param_bytes_total"] == sharded["param_bytes_total"] > 0
+    # AdamW's two moments per parameter; each rank also keeps its own 4-byte step counter per parameter
+    assert whole["optimizer_bytes_total"] > 1.9 * whole["param_bytes_total"]
+    assert sharded["optimizer_bytes_total"] == pytest.approx(whole["optimizer_bytes_total"], rel=0.01)
+    for kind in ("param", "optimizer"):
+        share = sharded[f"{kind}_bytes_per_rank"] / whole[f"{kind}_bytes_per_rank"]
+        assert 0.45 < share < 0.6, (kind, share)  # 1/2, plus the padding of odd-sized shards

@@ -112,6 +112,18 @@ def _warn_once(key: str, reason: str) -> None:
         logger.warning("%s: MFU is not reported; set %s=<dense FLOP/s> to enable it", reason, PEAK_FLOPS_ENV)
 
 
+def state_bytes(model: nn.Module, optimizer: torch.optim.Optimizer) -> tuple[int, int]:
+    """Bytes of the parameters and of the optimizer state this rank holds: its own shards under FSDP
+    (about 1/N of the whole each), a full copy under DDP."""
+    def local(tensor: torch.Tensor) -> torch.Tensor:
+        return tensor.to_local() if hasattr(tensor, "to_local") else tensor
+
+    params = sum(local(p).nbytes for p in model.parameters())
+    optim = sum(local(value).nbytes for state in optimizer.state.values() for value in state.values()
+                if isinstance(value, torch.Tensor))
+    return params, optim
+
+
 def host_rss_gib() -> float:
     """Resident set size of this process in GiB (peak RSS where /proc is unavailable)."""
     try:

@@ -221,6 +221,24 @@ class Telemetry:
             sink.log(step, startup.record(), kind="startup")
         logger.info(startup.describe())
 
+    def log_state_bytes(self, step: int, param_bytes: int, optimizer_bytes: int) -> None:
+        """Write what model state each rank holds, as kind "memory": the largest rank's parameter and
+        optimizer-state bytes and their totals over the ranks (under FSDP, per rank ~ total / N). Every rank
+        calls it (one all-reduce); rank 0 writes."""
+        local = torch.tensor([param_bytes, optimizer_bytes], dtype=torch.float64, device=self.device)
+        largest, total = local.clone(), local.clone()
+        if self.world_size > 1:
+            torch.distributed.all_reduce(largest, op=torch.distributed.ReduceOp.MAX)
+            torch.distributed.all_reduce(total)
+        if self.rank != 0:
+            return
+        record = {"param_bytes_per_rank": largest[0].item(), "optimizer_bytes_per_rank": largest[1].item(),
+                  "param_bytes_total": total[0].item(), "optimizer_bytes_total": total[1].item()}
+        for sink in self._sinks:
+            sink.log(step, record, kind="memory")
+        logger.info("model state per rank: parameters %.2f MiB, optimizer %.2f MiB (all ranks: %.2f MiB, "
+                    "%.2f MiB)", *(value / 2**20 for value in record.values()))
+
     def log_eval(self, step: int, metrics: dict[str, float]) -> None:
         """Write evaluation metrics as kind "eval" and log them (rank 0 only)."""
         if self.rank != 0:

@@ -312,13 +312,26 @@ def test_target_rejects_bad_values(kwargs):
 
 
 def test_host_alias_known(tmp_path):
+    """asyncssh reads the config: an alias is a name that a Host or Match block points elsewhere (HostName)
+    or reaches through a jump host; Include is followed, negated patterns and 'Host *' do not count."""
+    included = tmp_path / "cluster.conf"
+    included.write_text("Host from-include\n  HostName 10.0.0.2\n")
     config = tmp_path / "config"
-    config.write_text("Host *\n  User x\nHost slurm-* !slurm-bad\n  Port 2\nHost=login1 login2 # two\n")
-    assert host_alias_known("slurm-a", config)
-    assert host_alias_known("login2", config)
+    config.write_text(f"Include {included}\n"
+                      "Host *\n  User x\n"
+                      "Host slurm-* !slurm-bad\n  HostName %h.cluster.example\n"
+                      "Host=login1 login2\n  ProxyJump bastion\n"
+                      "Host plain.example\n  Port 2222\n"
+                      "Match originalhost matched\n  HostName 10.0.0.1\n")
+    for alias in ("slurm-a", "login2", "matched", "from-include"):
+        assert host_alias_known(alias, config), alias
     assert not host_alias_known("slurm-bad", config)
+    assert not host_alias_known("plain.example", config)  # settings for a real hostname, not an alias
     assert not host_alias_known("other", config)  # only 'Host *' matches
     assert not host_alias_known("x", tmp_path / "missing")
+    config.write_text("Host broken\n  Port many\n")
+    with pytest.raises(SlurmConnectionError, match=f"ssh config {config}: .*line 2.*Invalid Port"):
+        host_alias_known("broken", config)
 
 
 # --------------------------------------------------------------------------- in-process SSH "login node"
@@ -497,8 +510,11 @@ def test_refused_port_and_unknown_host_fail_fast(ssh_home):
             probe.bind(("127.0.0.1", 0))
             free_port = probe.getsockname()[1]
         start = time.monotonic()
-        with pytest.raises(SlurmConnectionError, match=f"connection refused by 127.0.0.1:{free_port}"):
+        with pytest.raises(SlurmConnectionError, match=f"connection refused by 127.0.0.1:{free_port}.* "
+                                                       "Port for Host 'fake-slurm' in ~/.ssh/config"):
             await connect(SlurmTarget("fake-slurm", port=free_port, connect_timeout_s=5))
+        with pytest.raises(SlurmConnectionError, match="Check SlurmTarget.port"):  # no alias: no config fix
+            await connect(SlurmTarget("127.0.0.1", port=free_port, connect_timeout_s=5))
         with pytest.raises(SlurmConnectionError, match="cannot resolve host 'no-such-host.invalid'"):
             await connect(SlurmTarget("no-such-host.invalid", connect_timeout_s=5))
         assert time.monotonic() - start < 5
