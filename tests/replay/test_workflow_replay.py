@@ -1,7 +1,8 @@
 """The registered workflow, replayed node by node the way a Flyte cluster runs it.
 
 Two whole-workflow replays cover the four corners between them: fast registration with one pod of two
-processes, and non-fast registration with a two-pod elastic PyTorchJob of one process each.
+processes (DDP), and non-fast registration with a two-pod elastic PyTorchJob of one process each that
+shards the model across the pods (FSDP).
 """
 
 from __future__ import annotations
@@ -53,11 +54,15 @@ def test_fast_registration_one_pod_two_processes(fast_package, tmp_path):
 def test_non_fast_registration_two_pod_pytorch_job(non_fast_package, tmp_path):
     workdir = tmp_path / "run"
     code, output, summary = run_replay(non_fast_package, workdir, STEPS, "backend=kubernetes", "nnodes=2",
-                                       "nproc_per_node=1")
+                                       "nproc_per_node=1", "parallelism=fsdp")
     assert code == 0, output
     node = train_node(summary)
     assert node["task"].endswith("2x1") and node["pods"] == 2  # a PyTorchJob of two worker pods
     assert world_size(summary) == 2 * 1  # one world across both pods, not two worlds of one
+    # The model was sharded across the pods: each held half of its parameters (the telemetry record).
+    (metrics,) = workdir.glob("**/run/metrics.jsonl")
+    memory = next(json.loads(line) for line in metrics.read_text().splitlines() if '"memory"' in line)
+    assert memory["param_bytes_per_rank"] < 0.6 * memory["param_bytes_total"], memory
     assert accuracy(summary) >= 0.8, output
     pods = pod_dirs(workdir, node)
     assert [p.name.rsplit("-", 2)[1:] for p in pods] == [["worker", "0"], ["worker", "1"]]

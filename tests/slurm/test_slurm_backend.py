@@ -30,8 +30,11 @@ JOB_NAME = "flyte-torch-train"
 def pipeline(*args: str, cwd: Path, timeout: float = 420) -> subprocess.CompletedProcess:
     """`pyflyte run workflows/pipeline.py training_pipeline ARGS` as a user runs it."""
     workflow = str(ROOT / "workflows" / "pipeline.py")
+    # No local task cache: its entries would point into this test session's temporary staging directory
+    # and outlive it in the user's ~/.flyte.
+    env = {**os.environ, "FLYTE_LOCAL_CACHE_ENABLED": "false"}
     return subprocess.run([PYFLYTE, "run", workflow, "training_pipeline", *args], cwd=cwd,
-                          capture_output=True, text=True, timeout=timeout)
+                          capture_output=True, text=True, timeout=timeout, env=env)
 
 
 def output(run: subprocess.CompletedProcess | tuple[str, str]) -> str:
@@ -44,6 +47,8 @@ def new_jobs(cluster, before: dict[int, tuple[str, int]]) -> dict[int, tuple[str
 
 
 def test_pipeline_trains_on_two_nodes_and_shares_checkpoints_with_the_local_backend(slurm_loopback, tmp_path):
+    """Local DDP, then two Slurm nodes sharding the model with FSDP from that checkpoint, then local DDP
+    again from theirs: one checkpoint root across backends, parallelisms and world sizes."""
     root = tmp_path / "checkpoints"
     common = ("--checkpoint_uri", str(root), "--nproc_per_node")
     local = pipeline("--max_steps", "10", *common, "2", cwd=tmp_path)
@@ -51,10 +56,11 @@ def test_pipeline_trains_on_two_nodes_and_shares_checkpoints_with_the_local_back
 
     before = slurm_loopback.finished()
     slurm = pipeline("--backend", "slurm", "--slurm_target", slurm_loopback.alias, "--nnodes", "2",
-                     "--max_steps", "20", *common, "1", cwd=tmp_path)
+                     "--parallelism", "fsdp", "--max_steps", "20", *common, "1", cwd=tmp_path)
     text = output(slurm)
     assert slurm.returncode == 0, text[-3000:]
     assert "on 2 node(s)" in text and "resumed from step 10" in text and "trained 20 steps" in text, text
+    assert "on slurm, fsdp" in text, text
     assert re.search(r"test accuracy: 0\.\d+", text), text
     assert list(new_jobs(slurm_loopback, before).values()) == [("COMPLETED", 2)]
     step20 = sorted(root.glob("step-*20"))

@@ -169,3 +169,15 @@ def test_telemetry_reports_the_model_state_each_rank_holds(saved):
     for kind in ("param", "optimizer"):
         share = sharded[f"{kind}_bytes_per_rank"] / whole[f"{kind}_bytes_per_rank"]
         assert 0.45 < share < 0.6, (kind, share)  # 1/2, plus the padding of odd-sized shards
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA devices")
+def test_fsdp_on_two_gpus_computes_in_bf16_and_resumes(data_dir, tmp_path):
+    """NCCL, FSDP's mixed precision (bf16 parameters, fp32 reduction) and an async save on two devices."""
+    run_train(data_dir, tmp_path / "run", 2, "--max-steps", "10", "--checkpoint-mode", "async", *FSDP,
+              config=CONFIG)
+    done = run_train(data_dir, tmp_path / "run", 2, "--max-steps", "15", "--checkpoint-mode", "async", *FSDP,
+                     config=CONFIG)
+    assert "resumed from step 10" in done.stdout + done.stderr
+    assert complete_steps(tmp_path / "run" / "checkpoints")[-1] == 15

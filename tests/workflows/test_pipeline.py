@@ -56,6 +56,15 @@ def test_rerun_hits_the_staging_cache(first_run, monkeypatch, tmp_path):
     assert dataset.directory.path == first_run[2].directory.path
 
 
+@pytest.mark.slow
+def test_the_digits_pipeline_with_a_sharded_model_reaches_its_accuracy(tmp_path):
+    """The default run (`pyflyte run workflows/pipeline.py training_pipeline --parallelism fsdp`): the
+    digits preset on two processes holding half the model each, to the test accuracy it promises."""
+    model, report, _ = training_pipeline(parallelism="fsdp", checkpoint_uri=str(tmp_path / "checkpoints"))
+    assert report.lineage.config["dist"]["parallelism"] == "fsdp" and report.lineage.world_size == 2
+    assert report.result.accuracy >= 0.95, report.result
+
+
 @pytest.mark.parametrize("bad, named", [
     (dict(backend="mesos"), "input backend='mesos' is unknown"),
     (dict(backend="slurm"), "input backend='slurm' needs slurm_target"),

@@ -37,7 +37,10 @@ class SnapshotStager(AsyncStager):
     without it, everything is copied before ``stage`` returns.
     """
 
-    _synchronize_after_execute = False  # the Checkpointer waits for the Future itself
+    @property
+    def should_synchronize_after_execute(self) -> bool:
+        """False: async_save returns at once; the Checkpointer waits for the copy's Future itself."""
+        return False
 
     def __init__(self, overlap: bool):
         self._buffers: dict[tuple[str, ...], torch.Tensor] = {}
