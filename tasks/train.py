@@ -2,23 +2,26 @@
 
 One task object per Topology (tasks/launch.py builds them and rebuilds them in a pod or a Slurm job from
 the task key their command carries): flytekit fixes an Elastic task's type and node range when the task
-object is built.
+object is built. flytekit names a function task after its function, so each topology's task runs its own
+function, :func:`train_model` under the topology's name (:func:`train_function`).
 """
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import os
 import signal
+from collections.abc import Callable
 from dataclasses import asdict
 from pathlib import Path
+from typing import Any
 
 import flytekit
 import torch.distributed as dist
 from flytekit import Resources, Secret
 from flytekit.core.base_task import TaskMetadata
-from flytekit.core.python_function_task import PythonFunctionTask
 from flytekit.exceptions.user import FlyteRecoverableException, FlyteUserRuntimeException
 from flytekit.extras.accelerators import GPUAccelerator
 from flytekit.types.directory import FlyteDirectory
@@ -91,7 +94,52 @@ def _use_wandb_secret(config: Config) -> None:
         os.environ.setdefault("WANDB_API_KEY_FILE", path)
 
 
-class ElasticTrainTask(PytorchElasticFunctionTask):
+def train_function(topology: Topology, wandb_secret: bool) -> Callable[..., TrainResult]:
+    """:func:`train_model` under the name of the topology's task: flytekit names a function task
+    ``<module>.<function>`` (here ``tasks.train.train-local-1x2``), and the task's interface is
+    train_model's (its signature, annotations and docstring)."""
+
+    @functools.wraps(train_model)
+    def train(*args: Any, **kwargs: Any) -> TrainResult:
+        return train_model(*args, **kwargs)
+
+    # flytekit accepts a function built inside another as a task when, like a decorated module-level
+    # function, it is functools-wrapped with __name__ == __qualname__; and the name must hold no dot, as
+    # flytekit keeps only the part after the last one.
+    train.__name__ = train.__qualname__ = function_name(topology, wandb_secret)
+    return train
+
+
+def task_settings(topology: Topology, wandb_secret: bool) -> dict[str, Any]:
+    """What a train task's template carries besides its plugin's part, alike on every backend: retries,
+    resources, GPUs, /dev/shm, the W&B secret and the environment."""
+    return dict(
+        shared_memory=True, metadata=TaskMetadata(retries=TRAIN_RETRIES),
+        requests=Resources(cpu=str(CPU_PER_PROCESS * topology.nproc_per_node),
+                           mem=f"{MEM_GIB_PER_PROCESS * topology.nproc_per_node}Gi",
+                           gpu=str(topology.gpus_per_node) if topology.gpus_per_node else None),
+        accelerator=GPUAccelerator(topology.accelerator) if topology.accelerator else None,
+        secret_requests=[WANDB_SECRET] if wandb_secret else None,
+        environment=restart_environment(topology))
+
+
+class TopologyTaskMixin:
+    """A task of one topology, named by it alone (the name its function carries).
+
+    flytekit prefixes a function task's name with the module being imported when the task object was built
+    (``TrackedInstance.instantiated_in``; under ``python -m``, a module path guessed from the working
+    directory), unless the name already contains it. A train task is built on demand by whoever first asks
+    for its topology: at an import, in a @dynamic, in a pod or a test. It is found by the task resolver of
+    tasks/launch.py from its key, never through a module variable, so the module it belongs to is its
+    function's, and its name ``tasks.train.train-<topology>`` is the same wherever it is built.
+    """
+
+    @property
+    def instantiated_in(self) -> str:
+        return self.task_function.__module__
+
+
+class ElasticTrainTask(TopologyTaskMixin, PytorchElasticFunctionTask):
     """The Elastic task plus what must happen once per node, around the worker processes."""
 
     def __init__(self, topology: Topology, wandb_secret: bool):
@@ -106,21 +154,7 @@ class ElasticTrainTask(PytorchElasticFunctionTask):
                 # read_timeout too: the c10d store's 60 s default is shorter than a slow pod's start-up.
                 rdzv_configs={"timeout": timeout, "join_timeout": timeout, "read_timeout": timeout},
                 run_policy=RunPolicy(clean_pod_policy=CleanPodPolicy.ALL) if topology.nnodes > 1 else None),
-            task_function=train_model, shared_memory=True,
-            metadata=TaskMetadata(retries=TRAIN_RETRIES),
-            requests=Resources(cpu=str(CPU_PER_PROCESS * topology.nproc_per_node),
-                               mem=f"{MEM_GIB_PER_PROCESS * topology.nproc_per_node}Gi",
-                               gpu=str(topology.gpus_per_node) if topology.gpus_per_node else None),
-            accelerator=GPUAccelerator(topology.accelerator) if topology.accelerator else None,
-            secret_requests=[WANDB_SECRET] if wandb_secret else None,
-            environment=restart_environment(topology))
-        self._name = task_name(topology, wandb_secret)
-
-    @property
-    def name(self) -> str:
-        # flytekit would prefix the module whose code happened to build the task (here: whoever first
-        # asked for this topology); the name must depend on the topology alone.
-        return self._name
+            task_function=train_function(topology, wandb_secret), **task_settings(topology, wandb_secret))
 
     def execute(self, **kwargs):
         """Validate before any worker starts; keep checkpoints synced while the workers run."""
@@ -130,7 +164,7 @@ class ElasticTrainTask(PytorchElasticFunctionTask):
             if self.single_process:
                 # Nothing to rendezvous or restart: a spawned worker would only import torch (and all the
                 # rest) a second time. Errors keep their classes: train_model raises what a worker would.
-                return PythonFunctionTask.execute(self, **kwargs)
+                return self.task_function(**kwargs)
             try:
                 return super().execute(**kwargs)
             except RendezvousError as exc:  # not every node came up in time: a retry may find them
@@ -204,22 +238,27 @@ def task_key(topology: Topology, wandb_secret: bool) -> str:
     return json.dumps({"topology": asdict(topology), "wandb_secret": wandb_secret}, sort_keys=True)
 
 
-def task_name(topology: Topology, wandb_secret: bool) -> str:
-    """``tasks.train.train-<backend>-<nodes>x<procs>[-...]``: every part of the task key that changes the
-    template, so two different templates never share a task ID; parts at their default are left out."""
+def function_name(topology: Topology, wandb_secret: bool) -> str:
+    """``train-<backend>-<nodes>x<procs>[-...]``, the task's name after ``tasks.train.``: every part of the
+    task key that changes the template, so two different templates never share a task ID; parts at their
+    default are left out."""
     default = Topology()
     parts = [topology.backend, f"{topology.nnodes}x{topology.nproc_per_node}"]
     if topology.gpus_per_node:
         parts.append(f"gpu{topology.gpus_per_node}")
-    if topology.accelerator:
-        parts.append(topology.accelerator)
+    if topology.accelerator:  # a Kubernetes label value; a dot would cut the name short (train_function)
+        accelerator = topology.accelerator
+        parts.append(accelerator if "." not in accelerator else _digest(accelerator))
     if topology.max_restarts:
         parts.append(f"restarts{topology.max_restarts}")
     if topology.rdzv_timeout_s != default.rdzv_timeout_s:
         parts.append(f"rdzv{topology.rdzv_timeout_s}s")
     if topology.slurm != default.slurm:  # free text (set-up lines, flags): a digest keeps the name short
-        settings = json.dumps(asdict(topology.slurm), sort_keys=True).encode()
-        parts.append(hashlib.sha256(settings).hexdigest()[:10])
+        parts.append(_digest(json.dumps(asdict(topology.slurm), sort_keys=True)))
     if wandb_secret:
         parts.append("wandb")
-    return f"{__name__}.train-{'-'.join(parts)}"
+    return f"train-{'-'.join(parts)}"
+
+
+def _digest(text: str) -> str:
+    return hashlib.sha256(text.encode()).hexdigest()[:10]

@@ -7,6 +7,7 @@ directories, so each concept has one record and one conversion.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -138,16 +139,15 @@ class ConfigTransformer(DataclassTransformer):
     of every ``pyflyte run``. The values and the type are exactly those of flytekit's own transformer.
     """
 
-    def __init__(self) -> None:
-        super().__init__()
-        self._config_type: LiteralType | None = None
-
     def get_literal_type(self, t: type | None = None) -> LiteralType:
         if t is not Config:
             return super().get_literal_type(t)
-        if self._config_type is None:
-            self._config_type = super().get_literal_type(Config)
-        return self._config_type
+        return self.config_literal_type
+
+    @functools.cached_property
+    def config_literal_type(self) -> LiteralType:
+        """Config's literal type, as flytekit's transformer builds it."""
+        return super().get_literal_type(Config)
 
 
 # Only for traincore's Config: every other dataclass keeps flytekit's default transformer.

@@ -2,9 +2,10 @@
 
 Where the workflow runs (``pyflyte run`` here, or a connector service next to a Flyte cluster), the task is
 not executed but submitted: the connector writes a batch script (tasks/slurm/job.py), submits it over SSH
-(tasks/slurm/client.py), polls the job and cancels it on abort. Inside the job, ``pyflyte-execute`` runs the
-same task on every node, where it behaves exactly like the elastic train task: torch elastic agents that
-meet on the first node, checkpoints in the durable root, rank 0's result as the output.
+(tasks/slurm/client.py), polls the job and cancels it on abort. Inside the job, ``pyflyte-execute`` runs
+the task's command on every node, and the task resolver (tasks/launch.py) rebuilds from it the elastic
+train task of the same topology: torch elastic agents that meet on the first node, checkpoints in the
+durable root, rank 0's result as the output.
 
 The task's inputs and outputs live under the execution's output prefix, which the cluster must reach: a
 shared filesystem for a local run, an object store the cluster can read and write for a remote one.
@@ -20,6 +21,7 @@ from typing import Any
 from flyteidl.core.execution_pb2 import TaskExecution
 from flytekit.configuration import ImageConfig, SerializationSettings
 from flytekit.core.context_manager import FlyteContextManager, SecretsManager
+from flytekit.core.python_function_task import PythonFunctionTask
 from flytekit.exceptions.user import FlyteRecoverableException, FlyteUserException
 from flytekit.extend.backend.base_connector import (
     AsyncConnectorBase,
@@ -36,7 +38,7 @@ from tasks.slurm.client import SlurmClient
 from tasks.slurm.job import batch_script, sbatch_args, task_error
 from tasks.slurm.ssh import SlurmConnectionError, SlurmTarget
 from tasks.slurm.states import JobInfo, Outcome
-from tasks.train import ElasticTrainTask
+from tasks.train import TopologyTaskMixin, task_settings, train_function
 from tasks.types import Topology
 
 SLURM_TASK_TYPE = "slurm_train"
@@ -139,28 +141,35 @@ class SlurmTrainConnector(AsyncConnectorBase):
         await self._call(resource_meta.target, "cancel", resource_meta.job_id)
 
 
-class SlurmTrainTask(AsyncConnectorExecutorMixin, ElasticTrainTask):
-    """The train task on Slurm: submitted through the connector, elastic training inside the job."""
+class SlurmTrainTask(TopologyTaskMixin, AsyncConnectorExecutorMixin, PythonFunctionTask):
+    """The train task on Slurm: submitted through the connector; its command, run on the job's nodes,
+    trains as the elastic train task of the same topology.
+
+    A function task of its own type rather than an elastic task: the kfpytorch plugin fixes its task type
+    ("python-task" or "pytorch"), and the connector is chosen by type. Its function, resources, retries and
+    environment are the elastic task's, so the two share a name and an interface.
+    """
 
     def __init__(self, topology: Topology, wandb_secret: bool):
-        super().__init__(topology, wandb_secret)
-        self._task_type = SLURM_TASK_TYPE  # not "pytorch": no PyTorchJob, the connector runs it
+        self.topology, self.wandb_secret = topology, wandb_secret
+        # Version 1, as the connector registers it (and as the elastic task's template says).
+        super().__init__(task_config=None, task_function=train_function(topology, wandb_secret),
+                         task_type=SLURM_TASK_TYPE, task_type_version=1,
+                         **task_settings(topology, wandb_secret))
 
     def get_custom(self, settings) -> dict[str, Any]:
         """What the connector needs: the whole topology (nodes, processes, Slurm settings)."""
         return {"topology": asdict(self.topology)}
 
     def execute(self, **kwargs):
-        """Submit and follow the job where the workflow runs; train (as the elastic task) inside the job."""
-        if not FlyteContextManager.current_context().execution_state.is_local_execution():
-            return ElasticTrainTask.execute(self, **kwargs)
+        """Submit the job and follow it to its end, printing its summary (or raising its error)."""
         ctx = FlyteContextManager.current_context()
         # flytekit serialises the template before submitting it and insists on an image; a Slurm job runs
         # in the environment its set-up lines activate, so flytekit's default image name only fills the field.
         settings = ctx.serialization_settings or SerializationSettings(ImageConfig.auto_default_image())
         try:
             with FlyteContextManager.with_context(ctx.with_serialization_settings(settings)):
-                outputs = AsyncConnectorExecutorMixin.execute(self, **kwargs)
+                outputs = super().execute(**kwargs)
         except FlyteUserException as exc:
             job_id = self.resource_meta.job_id if self.resource_meta else ""
             outcome, _ = CONNECTOR.last.pop(job_id, (None, ""))

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib
 import json
 import os
 import signal
@@ -18,6 +19,7 @@ from torch.distributed.elastic.rendezvous.api import RendezvousTimeoutError
 
 import tasks.train as train_module
 from tasks.launch import train_task, train_task_for
+from tasks.slurm.connector import SLURM_TASK_TYPE
 from tasks.train import ElasticTrainTask, vanished_workers
 from tasks.types import SlurmSettings, StagedDataset, Topology
 from traincore.config import ConfigError
@@ -116,6 +118,34 @@ def test_resolver_rebuilds_the_same_task_from_its_command():
     rebuilt = resolver.load_task(resolver.loader_args(None, task))
     assert isinstance(rebuilt, ElasticTrainTask)
     assert rebuilt.task_config == task.task_config and rebuilt.name == task.name
+
+
+def test_a_slurm_jobs_command_rebuilds_the_elastic_task_of_its_topology():
+    topology = Topology(backend="slurm", nnodes=2, nproc_per_node=1, slurm=SlurmSettings(target="hpc"))
+    submitted = train_task_for(topology, preset("digits"))
+    assert submitted.task_type == SLURM_TASK_TYPE and submitted.task_type_version == 1
+    assert not isinstance(submitted, ElasticTrainTask)  # submitted where the workflow runs, not trained
+    resolver = load_object_from_module(submitted.task_resolver.location)
+    on_nodes = resolver.load_task(resolver.loader_args(None, submitted))
+    assert isinstance(on_nodes, ElasticTrainTask) and on_nodes.topology == topology
+    assert (on_nodes.task_config.nnodes, on_nodes.task_config.nproc_per_node) == (2, 1)
+    assert on_nodes.name == submitted.name
+    interfaces = [(t.python_interface.inputs, t.python_interface.outputs) for t in (on_nodes, submitted)]
+    assert interfaces[0] == interfaces[1]
+
+
+def test_task_name_depends_on_the_topology_alone(tmp_path, monkeypatch):
+    """flytekit would name a task built while a module is imported after that module too."""
+    (tmp_path / "builds_at_import.py").write_text(
+        "from tasks.launch import train_task_for\n"
+        "from tasks.types import Topology\n"
+        "from traincore.config import Config\n"
+        "task = train_task_for(Topology(backend='kubernetes', nnodes=7, nproc_per_node=3), Config())\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    built_at_import = importlib.import_module("builds_at_import").task
+    assert built_at_import.name == "tasks.train.train-kubernetes-7x3"
+    assert train_task_for(Topology(backend="kubernetes", nnodes=5, nproc_per_node=3),
+                          preset("digits")).name == "tasks.train.train-kubernetes-5x3"  # built in a test
 
 
 def test_mounted_wandb_secret_reaches_validation_and_workers(tmp_path, monkeypatch):
