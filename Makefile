@@ -35,7 +35,8 @@ bench: install
 
 # Package the workflow as a platform team registers it (fast registration), then replay it node by node as a
 # cluster runs it: one pod of two processes, then a 2-pod PyTorchJob. Prints each node's wall time and the
-# test accuracy; fails if a node fails or the two pods do not form one world. README: "Replaying a registration".
+# test accuracy; fails if a node fails or the two pods do not form one world. See "Replaying a registration
+# locally" in docs/backends.md; REPLAY_INPUTS="--input max_steps=80 --input parallelism=fsdp" shards the model.
 REPLAY_DIR ?= runs/replay
 REPLAY_INPUTS ?= --input max_steps=80
 REPLAY_OPTS ?= --node-timeout 600

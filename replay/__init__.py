@@ -3,7 +3,7 @@
 What is registered is what runs: every task starts from its serialised container args in a fresh process,
 with the environment and storage layout a Flyte pod gets, and multi-node pytorch tasks start one process
 per worker replica of the PyTorchJob that Flyte's kfoperators plugin would create. See ``python -m replay
---help`` and the README section "Replaying a registration locally".
+--help`` and "Replaying a registration locally" in docs/backends.md.
 
 Modules: ``package`` (the archive), ``store`` (object store and propeller's paths), ``literals`` (launch
 inputs, bindings, output display), ``pod`` (one container as a process), ``pytorchjob`` (the PyTorchJob
