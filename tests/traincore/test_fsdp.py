@@ -8,13 +8,12 @@ import os
 import shutil
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
 import torch
 from safetensors.torch import load_file
-from trainruns import final_weights, kill_tree, run_train, train_cmd
+from trainruns import final_weights, killed_and_resumed, run_train
 
 from traincore.checkpoint.layout import complete_steps
 from traincore.config import ModelConfig
@@ -116,20 +115,7 @@ def test_a_killed_fsdp_run_resumes_to_the_weights_of_an_uninterrupted_one(data_d
     reference = tmp_path / "reference"
     run_train(data_dir, reference, 2, "--max-steps", "30", "--checkpoint-mode", "dcp", *FSDP, config=CONFIG)
     killed = tmp_path / "killed"
-    command = train_cmd(data_dir, killed, 2, "--max-steps", "30", "--checkpoint-mode", "dcp", *FSDP,
-                        config=CONFIG)
-    proc = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                            env={**os.environ, "OMP_NUM_THREADS": "1"})
-    deadline = time.monotonic() + 120
-    while time.monotonic() < deadline and len(complete_steps(killed / "checkpoints")) < 2:
-        time.sleep(0.05)
-    kill_tree(proc.pid)
-    proc.wait(timeout=30)
-    reached = complete_steps(killed / "checkpoints")
-    assert reached and reached[-1] < 30, f"the run was not interrupted mid-way: {reached}"
-    done = run_train(data_dir, killed, 2, "--max-steps", "30", "--checkpoint-mode", "dcp", *FSDP,
-                     config=CONFIG)
-    assert f"resumed from step {reached[-1]}" in done.stdout + done.stderr
+    killed_and_resumed(data_dir, killed, 30, "--checkpoint-mode", "dcp", *FSDP, config=CONFIG)
     expected, actual = final_weights(reference), final_weights(killed)
     assert expected.keys() == actual.keys()
     assert all(torch.equal(expected[name], actual[name]) for name in expected)

@@ -7,11 +7,10 @@ import json
 import os
 import subprocess
 import sys
-import time
 
 import pytest
 import torch
-from trainruns import TINY, final_weights, kill_tree, run_train, train_cmd, train_losses
+from trainruns import TINY, final_weights, killed_and_resumed, run_train, train_losses
 
 from traincore.checkpoint.layout import complete_steps
 from traincore.config import ModelConfig
@@ -51,18 +50,7 @@ def test_killed_run_resumes_to_bitwise_identical_weights(data_dir, tmp_path):
     ref = tmp_path / "reference"
     run_train(data_dir, ref, 2, "--max-steps", "40", "--checkpoint-every", "5")
     killed = tmp_path / "killed"
-    cmd = train_cmd(data_dir, killed, 2, "--max-steps", "40", "--checkpoint-every", "5")
-    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                            env={**os.environ, "OMP_NUM_THREADS": "1"})
-    deadline = time.monotonic() + 120
-    while time.monotonic() < deadline and len(complete_steps(killed / "checkpoints")) < 2:
-        time.sleep(0.05)
-    kill_tree(proc.pid)
-    proc.wait(timeout=30)
-    reached = complete_steps(killed / "checkpoints")
-    assert reached and reached[-1] < 40, f"the run was not interrupted mid-way: {reached}"
-    done = run_train(data_dir, killed, 2, "--max-steps", "40", "--checkpoint-every", "5")
-    assert f"resumed from step {reached[-1]}" in done.stdout + done.stderr
+    killed_and_resumed(data_dir, killed, 40, "--checkpoint-every", "5")
     expected, actual = final_weights(ref), final_weights(killed)
     assert expected.keys() == actual.keys()
     for name in expected:

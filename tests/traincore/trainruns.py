@@ -9,10 +9,12 @@ import os
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import torch
 
+from traincore.checkpoint.layout import complete_steps
 from traincore.export import export
 
 TINY = {"model": {"name": "small_cnn", "width": 8}, "optim": {"lr": 3e-3, "warmup_steps": 2},
@@ -61,3 +63,23 @@ def final_weights(output: Path) -> dict[str, torch.Tensor]:
 def train_losses(output: Path) -> list[float]:
     rows = [json.loads(line) for line in (output / "metrics.jsonl").read_text().splitlines()]
     return [row["loss"] for row in rows if row.get("kind") == "train"]
+
+
+def killed_and_resumed(data: Path, output: Path, steps: int, *flags: str,
+                       config: dict | None = None) -> tuple[int, subprocess.CompletedProcess]:
+    """Train on 2 ranks for ``steps``, SIGKILL the whole run once two checkpoints are complete, then run the
+    same command again: (the last step the killed run had saved, the resumed run)."""
+    args = (data, output, 2, "--max-steps", str(steps), *flags)
+    proc = subprocess.Popen(train_cmd(*args, config=config), stdout=subprocess.DEVNULL,
+                            stderr=subprocess.DEVNULL, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline and len(complete_steps(output / "checkpoints")) < 2:
+        time.sleep(0.05)
+    kill_tree(proc.pid)
+    proc.wait(timeout=30)
+    reached = complete_steps(output / "checkpoints")
+    assert reached and reached[-1] < steps, f"the run was not interrupted mid-way: {reached}"
+    done = run_train(*args, config=config)
+    assert f"resumed from step {reached[-1]}" in done.stdout + done.stderr
+    return reached[-1], done
+

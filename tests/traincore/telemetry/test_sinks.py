@@ -5,12 +5,16 @@ from __future__ import annotations
 import json
 import logging
 import os
+import signal
+import subprocess
+import sys
+import textwrap
 import time
 from pathlib import Path
 
 import pytest
 
-from traincore.config import TelemetryConfig
+from traincore.config import ConfigError, TelemetryConfig
 from traincore.telemetry.sinks import JsonlSink, TensorBoardSink, build_sinks, resolve_wandb_key
 
 SECRET = "k3y-0123456789abcdef0123456789abcdef"
@@ -139,7 +143,8 @@ def test_jsonl_resume_drops_later_steps_and_a_torn_line_atomically(tmp_path, mon
     second.resumed_at(5)
     second.log(6, {"loss": 60.0})
     second.close()
-    assert renamed == [(".metrics.jsonl.tmp", "metrics.jsonl")]  # written aside, then renamed over it
+    [(written, target)] = renamed  # written aside, then renamed over it
+    assert written.startswith(".metrics.jsonl.") and written.endswith(".tmp") and target == "metrics.jsonl"
     assert path.read_text().splitlines(keepends=True)[:6] == lines[:5] + [lines[7]]  # kept lines untouched
     assert jsonl_steps(path) == [(1, "train"), (2, "train"), (3, "train"), (4, "train"), (5, "train"),
                                  (5, "eval"), (6, "train")]
@@ -210,3 +215,95 @@ def test_tensorboard_opens_its_event_file_at_the_first_point(tmp_path):
     sink.close()
     sink.close()
     assert tensorboard_points(tmp_path / "tensorboard", "train/loss") == [(4, 1.0)]
+
+
+def test_tensorboard_scalars_of_every_kind_read_back(tmp_path):
+    sink = TensorBoardSink(tmp_path)
+    sink.resumed_at(0)
+    for step in (1, 2, 3):
+        sink.log(step, {"loss": 1.0 / step, "lr": 0.5, "samples_per_s": 1e4 * step})
+    sink.log(1, {"imports_s": 2.5}, kind="startup")
+    sink.log(3, {"accuracy": 0.75}, kind="eval")
+    sink.close()
+    directory = tmp_path / "tensorboard"
+    assert tensorboard_points(directory, "train/loss") == [(1, 1.0), (2, 0.5), (3, pytest.approx(1 / 3))]
+    assert tensorboard_points(directory, "train/samples_per_s") == [(1, 1e4), (2, 2e4), (3, 3e4)]
+    assert tensorboard_points(directory, "startup/imports_s") == [(1, 2.5)]
+    assert tensorboard_points(directory, "eval/accuracy") == [(3, 0.75)]
+
+
+def test_build_sinks_hands_the_queue_and_flush_settings_to_the_writer(tmp_path):
+    cfg = TelemetryConfig(tensorboard=True, tb_max_queue=7, tb_flush_secs=3)
+    jsonl, tensorboard = build_sinks(cfg, tmp_path, run_config={})
+    tensorboard.log(1, {"loss": 1.0})
+    writer = tensorboard._writer
+    assert (writer.max_queue, writer.flush_secs) == (7, 3)
+    for sink in (jsonl, tensorboard):
+        sink.close()
+    assert tensorboard_points(tmp_path / "tensorboard", "train/loss") == [(1, 1.0)]
+
+
+@pytest.mark.parametrize("field", ["tb_max_queue", "tb_flush_secs"])
+@pytest.mark.parametrize("value", [0, -1])
+def test_tensorboard_queue_and_flush_settings_must_be_positive(field, value):
+    with pytest.raises(ConfigError, match=rf"telemetry\.{field}={value} is invalid: must be an integer >= 1"):
+        TelemetryConfig(**{field: value})
+
+
+# Loaded by the first log and not before: at import they would add about half a second to start-up.
+TENSORBOARD_MODULES = ("tensorboard", "torch.utils.tensorboard", "boto3")
+
+IMPORTS_CHECK = textwrap.dedent("""
+    import json, sys
+    import traincore.train
+    from traincore.config import TelemetryConfig
+    from traincore.telemetry.sinks import build_sinks
+    loaded = lambda: [name for name in {modules!r} if name in sys.modules]
+    sinks = build_sinks(TelemetryConfig(tensorboard=True), {output!r}, {{}})
+    built = loaded()
+    for sink in sinks:
+        sink.log(1, {{"loss": 1.0}})
+        sink.close()
+    print(json.dumps({{"built": built, "logged": loaded()}}))
+""")
+
+
+def test_tensorboard_is_imported_at_the_first_log_not_with_the_modules_or_the_sink(tmp_path):
+    code = IMPORTS_CHECK.format(modules=TENSORBOARD_MODULES, output=str(tmp_path))
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    loaded = json.loads(done.stdout.splitlines()[-1])
+    assert loaded["built"] == []
+    assert "torch.utils.tensorboard" in loaded["logged"]  # the check above would see the writer's modules
+    assert tensorboard_points(tmp_path / "tensorboard", "train/loss") == [(1, 1.0)]
+
+
+UNCLOSED_WRITER = textwrap.dedent("""
+    import sys, time
+    from traincore.telemetry.sinks import TensorBoardSink
+    sink = TensorBoardSink(sys.argv[1], flush_secs=3600)
+    sink.resumed_at(0)
+    for step in range(1, 6):
+        sink.log(step, {"loss": float(step)})
+    print("logged", flush=True)
+    time.sleep(600)  # killed here: no close, no flush, no interpreter exit
+""")
+
+
+def test_a_killed_writers_file_holds_what_it_logged_without_waiting_for_a_flush(tmp_path):
+    # What a relaunched run's purge relies on: the killed attempt's points up to its checkpoint are on disk.
+    child = subprocess.Popen([sys.executable, "-c", UNCLOSED_WRITER, str(tmp_path)], stdout=subprocess.PIPE,
+                             text=True)
+    try:
+        assert child.stdout.readline().strip() == "logged"
+        deadline = time.monotonic() + 60
+        while len(tensorboard_points(tmp_path / "tensorboard", "train/loss")) < 5:
+            assert time.monotonic() < deadline, "the writer's thread never wrote the queued events"
+            time.sleep(0.1)
+    finally:
+        child.send_signal(signal.SIGKILL)
+        child.wait(30)
+        child.stdout.close()
+    assert child.returncode == -signal.SIGKILL
+    points = tensorboard_points(tmp_path / "tensorboard", "train/loss")
+    assert points == [(1, 1.0), (2, 2.0), (3, 3.0), (4, 4.0), (5, 5.0)]

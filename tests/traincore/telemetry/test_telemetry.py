@@ -72,7 +72,7 @@ def test_logging_setup_nests_is_quiet_on_other_ranks_and_restores_the_root_logge
 
 
 def test_jsonl_and_tensorboard_read_back(tmp_path):
-    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+    from tensorboard.backend.event_processing.plugin_event_accumulator import EventAccumulator
     from tensorboard.util import tensor_util
 
     with make_telemetry(tmp_path, tensorboard=True) as telemetry:
