@@ -28,7 +28,7 @@ run: install
 test: install-dev
 	$(BIN)/python -m pytest
 
-# Loader, checkpoint, per-step, start-up and end-to-end benchmarks (about 15 minutes on 2 cores): writes
+# Loader, checkpoint, sharded-state, per-step, start-up and end-to-end benchmarks (about 20 minutes on 2 cores): writes
 # bench/results/latest.json and latest.md (commit them); generated data and runs go to runs/bench.
 bench: install
 	$(BIN)/python bench/run.py

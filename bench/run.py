@@ -1,11 +1,14 @@
 """Run every benchmark and write bench/results/latest.json and latest.md: `make bench`.
 
-    python bench/run.py [--results bench/results] [--scratch runs/bench] [--only NAME ...] [--tiny]
+    python bench/run.py [--results bench/results] [--scratch runs/bench] [--only NAME ...] [--tiny] [--merge]
 
 Each benchmark script runs as its own process with ``--json PATH`` and writes
 ``{"benchmark": name, "results": [rows], "ratios": {name: value}}`` (optionally ``"targets": {name:
-text}``). A script that is missing, fails or writes no JSON becomes one error line in the tables; the other
-benchmarks still run. The results carry the machine they were measured on.
+text}``, ``"tables": {title: [rows]}`` for further tables, ``"notes": [line]`` listed below them). A
+script that is missing, fails or writes no JSON becomes one error line in the tables; the other
+benchmarks still run. The results carry the machine they were measured on. ``--merge`` keeps the tables of
+the benchmarks not run this time from the existing latest.json, each marked with the run it came from (to
+re-measure one benchmark, e.g. ``--only sharded --merge``, without re-running the others).
 """
 
 from __future__ import annotations
@@ -25,7 +28,7 @@ from bench.tables import markdown_table  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 ERROR_CHARS = 400  # of a failed benchmark's error line in latest.md (latest.json has all of it)
-BENCHMARKS = ("loader", "checkpoint", "step", "startup", "end_to_end")
+BENCHMARKS = ("loader", "checkpoint", "sharded", "step", "startup", "end_to_end")
 # The issue's targets, for benchmarks whose JSON states none: (benchmark, ratio) -> target, and (benchmark,
 # None) -> the target of every ratio of that benchmark.
 TARGETS = {("checkpoint", "async_blocking_over_copy"): "<= 0.1", ("step", None): "<= 1.05",
@@ -33,6 +36,7 @@ TARGETS = {("checkpoint", "async_blocking_over_copy"): "<= 0.1", ("step", None):
 TINY_ARGS = {  # seconds-long sizes for a smoke run; scripts without such options get none
     "loader": ["--images", "200", "--size", "16", "--naive-samples", "64", "--rounds", "1"],
     "end_to_end": ["--tiny"],
+    "sharded": ["--params", "1.7M", "--width", "512", "--repeats", "2", "--steps", "2"],  # ~20 MB of state
 }
 
 
@@ -44,6 +48,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help="generated data, run directories and per-benchmark JSON (not committed)")
     parser.add_argument("--only", nargs="+", choices=BENCHMARKS, default=list(BENCHMARKS))
     parser.add_argument("--tiny", action="store_true", help="smoke-test sizes where a benchmark has them")
+    parser.add_argument("--merge", action="store_true",
+                        help="keep the other benchmarks' tables of the existing latest.json (with their run)")
     return parser.parse_args(argv)
 
 
@@ -107,16 +113,24 @@ def markdown(machine: dict, results: list[dict], command: str) -> str:
     for result in results:
         lines.append(f"### {result['benchmark']}")
         lines.append("")
+        if "measured_in" in result:
+            command, machine = result["measured_in"]["command"], result["measured_in"]["machine"]
+            lines += [f"From an earlier run: `{command}` on {machine.get('date')}, git {machine.get('git')}, "
+                      f"load average {machine.get('load_avg_1m_5m_15m')}.", ""]
         if "error" in result:
             error = result["error"]
             shown = error if len(error) <= ERROR_CHARS else f"{error[:ERROR_CHARS]} ... (see latest.json)"
             lines += [f"**error**: {shown}", ""]
             continue
         lines += [markdown_table(result["results"]), ""]
+        for title, rows in result.get("tables", {}).items():
+            lines += [f"#### {title}", "", markdown_table(rows), ""]
         ratios = [{"ratio": name, "value": value, "target": target_of(result, name)}
                   for name, value in result.get("ratios", {}).items()]
         if ratios:
             lines += [markdown_table(ratios), ""]
+        if result.get("notes"):
+            lines += [*(f"- {note}" for note in result["notes"]), ""]
     return "\n".join(lines)
 
 
@@ -134,17 +148,34 @@ def main(argv: list[str] | None = None) -> None:
     results = []
     for name in args.only:
         extra = TINY_ARGS.get(name, []) if args.tiny else []
-        if name in ("loader", "end_to_end"):
+        if name in ("loader", "end_to_end", "sharded"):
             extra = [*extra, "--dir", str(scratch)]
         print(f"== {name}", flush=True)
         results.append(run_benchmark(name, ROOT / "bench" / f"{name}.py", extra, scratch))
     machine = machine_info()
     command = " ".join(["python bench/run.py", *(sys.argv[1:] if argv is None else argv)])
     out.mkdir(parents=True, exist_ok=True)
+    if args.merge:
+        results = merged(out / "latest.json", results)
     report = {"machine": machine, "command": command, "benchmarks": results}
     _publish(out / "latest.json", json.dumps(report, indent=2) + "\n")
     _publish(out / "latest.md", markdown(machine, results, command) + "\n")
     print(f"wrote {out / 'latest.json'} and {out / 'latest.md'}")
+
+
+def merged(previous: Path, results: list[dict]) -> list[dict]:
+    """``results`` plus the benchmarks they lack from ``previous`` (an earlier latest.json), each of those
+    marked with the run it was measured in; in BENCHMARKS order."""
+    try:
+        report = json.loads(previous.read_text())
+    except (OSError, ValueError):
+        return results
+    earlier = {"command": report.get("command", "unknown"), "machine": report.get("machine", {})}
+    ran = {result["benchmark"] for result in results}
+    kept = [{**result, "measured_in": result.get("measured_in", earlier)}
+            for result in report.get("benchmarks", []) if result.get("benchmark") not in ran]
+    order = {name: index for index, name in enumerate(BENCHMARKS)}
+    return sorted([*kept, *results], key=lambda result: order.get(result["benchmark"], len(order)))
 
 
 def _publish(path: Path, text: str) -> None:

@@ -112,7 +112,7 @@ class Trainer:
         self.manifest = manifest
         self.progress = Progress()
         self.closed = False
-        self.parts = ExitStack()  # unwinds in reverse: profiler, checkpointer, telemetry, process group
+        self.parts = ExitStack()  # unwinds in reverse: profiler, checkpointer, telemetry, logging, group, ...
         try:
             self._open(self.parts)
         except BaseException:

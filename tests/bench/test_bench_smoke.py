@@ -1,4 +1,5 @@
-"""The benchmark runner and the end-to-end benchmark run at tiny sizes and write their tables.
+"""The benchmark runner, the end-to-end and the sharded-checkpoint benchmarks run at tiny sizes and write
+their tables.
 
 Speed is not asserted here: the benchmarks print their ratios; these tests only check that they run.
 """
@@ -70,3 +71,68 @@ def test_a_missing_or_failing_benchmark_becomes_an_error_line(tmp_path):
     assert "wrote no --json file" in run.run_benchmark("checkpoint", silent, [], tmp_path)["error"]
     table = run.markdown(run.machine_info(), [missing, failed], "python bench/run.py")
     assert "### step\n\n**error**: " in table and "### startup\n\n**error**: " in table
+
+
+SAVE_COLUMNS = {"mode", "saves", "steps_between", "first_blocks_s", "blocks_s", "snapshot_wait_s",
+                "next_step_s", "committed_s", "rank0_rss_increase_gib", "rank0_rss_peak_gib",
+                "rank1_rss_increase_gib", "rank0_written_mb", "rank1_written_mb", "gathered_to_rank0_mb",
+                "stall_vs_naive", "committed_vs_naive", "rss_increase_vs_naive"}
+STEP_COLUMNS = {"parallelism", "step_s", "rank0_state_mb", "rank1_state_mb", "rank0_peak_rss_gib",
+                "rank1_peak_rss_gib", "step_vs_ddp", "state_vs_ddp", "peak_rss_vs_ddp"}
+
+
+def test_sharded_bench_shows_where_each_mode_writes(tmp_path):
+    """About 20 MB of FSDP state on two ranks, through the runner: every column, naive writes everything
+    from rank 0 after gathering rank 1's half, the DCP modes split the bytes, fsdp holds half of ddp."""
+    results = tmp_path / "results"
+    done = subprocess.run([sys.executable, "bench/run.py", "--only", "sharded", "--tiny",
+                           "--results", str(results), "--scratch", str(tmp_path / "scratch")],
+                          cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    sharded = json.loads((results / "latest.json").read_text())["benchmarks"][0]
+    assert sharded["benchmark"] == "sharded" and "error" not in sharded, sharded
+    state_mb = sharded["state_bytes"] / 1e6
+    assert 15 < state_mb < 30
+    rows = {row["mode"]: row for row in sharded["results"]}
+    assert list(rows) == ["naive (sync)", "dcp", "async", "dcp, torch writer", "async, torch stager"]
+    for row in rows.values():
+        assert set(row) == SAVE_COLUMNS, row
+        assert row["saves"] == 2 and row["rank0_rss_peak_gib"] > 0, row
+    naive = rows.pop("naive (sync)")
+    assert naive["rank1_written_mb"] == 0 and naive["rank0_written_mb"] >= state_mb
+    assert naive["gathered_to_rank0_mb"] == pytest.approx(state_mb / 2, rel=0.01)
+    assert naive["snapshot_wait_s"] is None and naive["steps_between"] == 0  # saves back to back
+    for mode in ("async", "async, torch stager"):  # they train beside the copy
+        assert rows[mode]["steps_between"] >= 1 and rows[mode]["snapshot_wait_s"] is not None, mode
+    for mode, row in rows.items():  # every rank writes its own half; nothing is gathered
+        assert row["gathered_to_rank0_mb"] == 0, mode
+        assert row["rank1_written_mb"] == pytest.approx(state_mb / 2, rel=0.05), mode
+        assert row["rank0_written_mb"] + row["rank1_written_mb"] >= state_mb, mode
+    ddp, fsdp = sharded["tables"]["fsdp vs ddp"]
+    assert (ddp["parallelism"], fsdp["parallelism"]) == ("ddp", "fsdp")
+    assert set(ddp) == set(fsdp) == STEP_COLUMNS
+    assert ddp["rank0_state_mb"] == ddp["rank1_state_mb"] == pytest.approx(state_mb, rel=0.01)
+    assert fsdp["state_vs_ddp"] == pytest.approx(0.5, rel=0.01)
+    assert sharded["ratios"]["fsdp/ddp rank-0 state bytes"] == fsdp["state_vs_ddp"]
+    table = (results / "latest.md").read_text()
+    assert "### sharded" in table and "#### fsdp vs ddp" in table and "| async, torch stager |" in table
+    headers = [line for line in table.splitlines() if line.startswith("| mode |") or
+               line.startswith("| parallelism |")]
+    assert [set(h.strip("| ").split(" | ")) for h in headers] == [SAVE_COLUMNS, STEP_COLUMNS]
+    assert "Disk, dd of" in table and "about 1/2 (1/N)" in table
+
+
+def test_merge_keeps_the_benchmarks_not_run_with_their_run(tmp_path):
+    run = _runner()
+    earlier = {"command": "python bench/run.py", "machine": {"date": "then", "git": "abc1234",
+                                                             "load_avg_1m_5m_15m": "1.0, 1.0, 1.0"},
+               "benchmarks": [{"benchmark": "loader", "results": [{"loader": "naive"}]},
+                              {"benchmark": "sharded", "results": [{"mode": "old"}]}]}
+    (tmp_path / "latest.json").write_text(json.dumps(earlier))
+    fresh = [{"benchmark": "sharded", "results": [{"mode": "new"}]}]
+    results = run.merged(tmp_path / "latest.json", fresh)
+    assert [r["benchmark"] for r in results] == ["loader", "sharded"]  # in BENCHMARKS order
+    assert results[1] == fresh[0] and results[0]["measured_in"]["command"] == "python bench/run.py"
+    table = run.markdown(run.machine_info(), results, "python bench/run.py --only sharded --merge")
+    assert "From an earlier run: `python bench/run.py` on then, git abc1234" in table
+    assert run.merged(tmp_path / "absent.json", fresh) == fresh

@@ -13,6 +13,11 @@ asynchronous mode copies on a side stream that does not wait for the training st
 weights that the last optimizer step has not finished writing. Here ``Tensor.copy_`` (which releases the GIL)
 fills CPU buffers kept from save to save (pinned for CUDA tensors), on a stream of our own that first waits
 for an event recorded on the training stream when the save began.
+
+Measured (bench/sharded.py, 1.21 GB of FSDP state on 2 gloo ranks, one run on a shared 2-core VM): an async
+save blocked training 0.030 s through the Checkpointer with this stager against 0.022 s for dcp.async_save
+with DefaultStager alone, and the step beside the copy took 1.04x a plain step against 1.17x, a difference
+within that machine's noise: a CPU run neither confirms nor rules out the GIL stall described above.
 """
 
 from __future__ import annotations

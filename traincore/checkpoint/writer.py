@@ -8,6 +8,11 @@ memory lazily (bench/checkpoint.py), and the cache stays with the memory-mapped 
 A write that fails raises CheckpointWriteError naming the file ("no space left on device while writing
 <path>: ..." for a full disk), in DCP's writer threads too (traincore.checkpoint.dcp), whose errors DCP
 itself would drop. Nothing here imports torch.distributed.checkpoint.
+
+Measured (bench/sharded.py, 1.21 GB of FSDP state on 2 gloo ranks, 2-core VM): a dcp save committed in
+1.58 s through this writer against 6.2 s through torch's FileSystemWriter (thread_count=2, one file per rank
+and thread, sync_files) on the same state, 0.26x, for 0.25 GiB of RSS per rank (the blocks of two files);
+dd's fsync'd rate in that run: 0.19 GB/s through the page cache, 0.86 GB/s direct.
 """
 
 from __future__ import annotations
