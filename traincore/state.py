@@ -68,6 +68,12 @@ def holds_shards(state: Any) -> bool:
     return isinstance(state, DTensor)
 
 
+def reshards(model: nn.Module, state: Any) -> bool:
+    """Whether loading ``state`` into ``model`` takes full tensors onto a sharded (FSDP) model: those are
+    split onto this rank's shards (``full_state_dict`` loading); anything else loads as it is."""
+    return any(holds_shards(p) for p in model.parameters()) and not holds_shards(state)
+
+
 class ModelState:
     """The model's weights under canonical names, whatever wraps it (DDP, FSDP, torch.compile).
 
@@ -94,7 +100,8 @@ class ModelState:
     def load_state_dict(self, state: dict[str, Any]) -> None:
         from torch.distributed.checkpoint.state_dict import set_model_state_dict
 
-        set_model_state_dict(unwrap_model(self.model), state, options=_options(not holds_shards(state)))
+        model = unwrap_model(self.model)
+        set_model_state_dict(model, state, options=_options(reshards(model, state)))
 
 
 class OptimizerState:
@@ -118,8 +125,8 @@ class OptimizerState:
     def load_state_dict(self, state: dict[str, Any]) -> None:
         from torch.distributed.checkpoint.state_dict import set_optimizer_state_dict
 
-        set_optimizer_state_dict(unwrap_model(self.model), self.optimizer, state,
-                                 options=_options(not holds_shards(state)))
+        model = unwrap_model(self.model)
+        set_optimizer_state_dict(model, self.optimizer, state, options=_options(reshards(model, state)))
 
 
 class RNGState:

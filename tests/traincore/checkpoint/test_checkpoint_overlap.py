@@ -222,7 +222,7 @@ class Registry:
     # What the Checkpointer uses of a StateRegistry (traincore.state itself imports DCP's state-dict helpers).
     def __init__(self, value):
         self.weights = {"w": torch.full((4,), value)}
-    def shared_state(self):
+    def shared_state(self, full=False):
         return {"model": dict(self.weights)}
     def rank_state(self):
         return {}
