@@ -2,7 +2,7 @@
 
 Every dataclass validates itself in ``__post_init__`` and raises :class:`ConfigError` with a message that
 names the field, the bad value and what is allowed. Each field's attribute docstring is its documentation
-(``traincore.config_doc`` renders them into the README). Presets live in ``traincore.presets``.
+(``traincore.config_doc`` renders them into docs/config.md). Presets live in ``traincore.presets``.
 """
 
 from __future__ import annotations
@@ -112,6 +112,7 @@ MODEL_NAMES = ("small_cnn", "resnet18", "resnet34", "resnet50", "vit_b_16", "vit
 CHECKPOINT_MODES = ("sync", "dcp", "async")
 WANDB_MODES = ("disabled", "offline", "online")
 DIST_BACKENDS = ("auto", "gloo", "nccl", "cpu:gloo,cuda:nccl")
+PARALLELISMS = ("ddp", "fsdp")
 MAX_SEED = 2**63 - 1  # seed + rank must fit torch.manual_seed's 64 bits
 MAX_TIMEOUT_S = 2**31 - 1  # process-group timeouts travel as int64 milliseconds
 
@@ -322,6 +323,11 @@ class TelemetryConfig:
     """Steps between metric intervals; each costs one all-reduce and one device sync."""
     tensorboard: bool = True
     """Also write metrics as TensorBoard events under ``<output>/tensorboard``."""
+    tb_max_queue: int = 100
+    """Events that may wait for TensorBoard's writer thread; when that many wait, logging blocks."""
+    tb_flush_secs: int = 30
+    """Seconds between flushes of TensorBoard's writer: how stale a remote event file may get (a local one
+    gets each event as the writer thread takes it)."""
     wandb_mode: str = "disabled"
     """Weights & Biases: ``disabled``, ``offline`` (local files only) or ``online``."""
     wandb_project: str = "flyte-torch-pipeline"
@@ -333,7 +339,7 @@ class TelemetryConfig:
 
     def __post_init__(self) -> None:
         _check_types(self, "telemetry")
-        _ints(self, "telemetry", log_every=1)
+        _ints(self, "telemetry", log_every=1, tb_max_queue=1, tb_flush_secs=1)
         _one_of("telemetry.wandb_mode", self.wandb_mode, WANDB_MODES)
         _one_of("telemetry.progress", self.progress, ("auto", "on", "off"))
         _one_of("telemetry.level", self.level, ("DEBUG", "INFO", "WARNING", "ERROR"))
@@ -348,10 +354,18 @@ class DistConfig:
     """Seconds to wait at start-up for all ranks to join (rendezvous, process group); pods may start late."""
     step_timeout_s: int = 300
     """Process-group timeout in seconds once the first step has run: a hung rank fails the run sooner."""
+    parallelism: str = "ddp"
+    """``ddp``: every rank holds the whole model and optimizer state (replicated); ``fsdp``: FSDP2 shards
+    parameters, gradients and optimizer state across the ranks (about 1/N each), one unit per block of the
+    model plus the root. Any checkpoint resumes under either, on any number of ranks."""
+    reshard_after_forward: bool = True
+    """fsdp: free each unit's gathered parameters after its forward (least memory; backward gathers them
+    again); false keeps them until the backward (one all-gather fewer per unit and step, more memory)."""
 
     def __post_init__(self) -> None:
         _check_types(self, "dist")
         _one_of("dist.backend", self.backend, DIST_BACKENDS)
+        _one_of("dist.parallelism", self.parallelism, PARALLELISMS)
         _ints(self, "dist", init_timeout_s=1, step_timeout_s=1)
         _at_most(self, "dist", init_timeout_s=MAX_TIMEOUT_S, step_timeout_s=MAX_TIMEOUT_S)
 
