@@ -13,16 +13,18 @@ import hashlib
 import json
 import os
 import signal
+import sys
 from collections.abc import Callable
 from dataclasses import asdict
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 import flytekit
 import torch.distributed as dist
-from flytekit import Resources, Secret
+from flytekit import FlyteContextManager, Resources, Secret
 from flytekit.core.base_task import TaskMetadata
 from flytekit.exceptions.user import FlyteRecoverableException, FlyteUserRuntimeException
+from flytekit.extend import IgnoreOutputs
 from flytekit.extras.accelerators import GPUAccelerator
 from flytekit.types.directory import FlyteDirectory
 from flytekitplugins.kfpytorch import CleanPodPolicy, Elastic, RunPolicy
@@ -36,6 +38,7 @@ from tasks.storage import is_uri, local_directory
 from tasks.types import StagedDataset, Topology, TrainResult
 from traincore.config import Config
 from traincore.launch import settle_worker, worker_threads
+from traincore.preemption import PREEMPTED_EXIT_CODE, Preempted, read_record
 from traincore.preflight import preflight
 from traincore.telemetry.startup import process_start_time
 from traincore.telemetry.summary import format_summary
@@ -62,12 +65,24 @@ def train_model(config: Config, dataset: StagedDataset, checkpoint_root: str) ->
                           local_checkpoint_root(checkpoint_root), started_at=process_start_time()).train()
     except dist.DistError as exc:  # a peer vanished or the store timed out: infrastructure, worth a retry
         raise FlyteRecoverableException(f"distributed training failed transiently: {exc}") from exc
+    except Preempted as exc:  # the step reached is saved: a retry resumes from it, losing nothing
+        raise FlyteRecoverableException(str(exc)) from exc
     if int(os.environ.get("RANK", "0")) == 0:
         print(f"train: {format_summary(summary)}; TensorBoard: tensorboard --logdir "
               f"{Path(summary.output_dir) / 'tensorboard'}", flush=True)
     checkpoints = checkpoint_root if is_uri(checkpoint_root) else summary.checkpoint_dir
     return TrainResult(checkpoints=FlyteDirectory(checkpoints), logs=FlyteDirectory(summary.output_dir),
                        summary=summary)
+
+
+def stop_preempted(preempted: Preempted, checkpoint_root: str) -> NoReturn:
+    """End a preempted attempt: a recoverable error, which Flyte retries from the saved step; in a local
+    ``pyflyte run`` (a Ctrl-C, say), a few lines and exit code 75 instead of a traceback."""
+    if not FlyteContextManager.current_context().execution_state.is_local_execution():
+        raise FlyteRecoverableException(str(preempted)) from None
+    print(f"{preempted}\nto resume, run the same pyflyte command with --checkpoint_uri {checkpoint_root}",
+          file=sys.stderr, flush=True)
+    raise SystemExit(PREEMPTED_EXIT_CODE)
 
 
 def vanished_workers(error: ChildFailedError) -> list[str]:
@@ -160,22 +175,36 @@ class ElasticTrainTask(TopologyTaskMixin, PytorchElasticFunctionTask):
         """Validate before any worker starts; keep checkpoints synced while the workers run."""
         _use_wandb_secret(kwargs["config"])  # before validation checks the key; workers inherit the env
         preflight(kwargs["config"], local_directory(kwargs["dataset"].directory))
-        with synced_checkpoints(kwargs["checkpoint_root"]):
-            if self.single_process:
-                # Nothing to rendezvous or restart: a spawned worker would only import torch (and all the
-                # rest) a second time. Errors keep their classes: train_model raises what a worker would.
-                return self.task_function(**kwargs)
+        root = kwargs["checkpoint_root"]
+        with synced_checkpoints(root):
             try:
-                return super().execute(**kwargs)
-            except RendezvousError as exc:  # not every node came up in time: a retry may find them
-                raise FlyteRecoverableException(self._rendezvous_failure(exc)) from exc
-            except FlyteUserRuntimeException as exc:  # the plugin's verdict on a failed worker group
-                vanished = vanished_workers(exc.value) if isinstance(exc.value, ChildFailedError) else []
-                if vanished:  # infrastructure, not the user's code: Flyte's retries apply
-                    raise FlyteRecoverableException(
-                        f"worker {', '.join(vanished)} was killed by a signal from outside (node lost, OOM "
-                        f"killer, eviction); a retry resumes from the checkpoint root:\n{exc}") from exc
-                raise
+                return self._train(**kwargs)
+            except (IgnoreOutputs, FlyteRecoverableException):
+                # A preempted run's workers saved their step and left a record of it. The plugin says
+                # IgnoreOutputs when the signal reached this process too (its agent stopped the workers),
+                # or shows the workers' exit codes: the record says what happened instead.
+                preempted = read_record(local_checkpoint_root(root))
+                if preempted is None:
+                    raise
+                stop_preempted(preempted, root)
+
+    def _train(self, **kwargs):
+        """Train in this process (one process, nothing to launch) or in the plugin's elastic workers."""
+        if self.single_process:
+            # Nothing to rendezvous or restart: a spawned worker would only import torch (and all the rest)
+            # a second time. Errors keep their classes: train_model raises what a worker would.
+            return self.task_function(**kwargs)
+        try:
+            return super().execute(**kwargs)
+        except RendezvousError as exc:  # not every node came up in time: a retry may find them
+            raise FlyteRecoverableException(self._rendezvous_failure(exc)) from exc
+        except FlyteUserRuntimeException as exc:  # the plugin's verdict on a failed worker group
+            vanished = vanished_workers(exc.value) if isinstance(exc.value, ChildFailedError) else []
+            if vanished:  # infrastructure, not the user's code: Flyte's retries apply
+                raise FlyteRecoverableException(
+                    f"worker {', '.join(vanished)} was killed by a signal from outside (node lost, OOM "
+                    f"killer, eviction); a retry resumes from the checkpoint root:\n{exc}") from exc
+            raise
 
     @property
     def single_process(self) -> bool:

@@ -307,9 +307,16 @@ class CheckpointConfig:
     backward run; an optimizer step waits for the copy. Tensors up to 1 MiB (BatchNorm statistics, step
     counters) are copied before ``save`` returns. Turn off (copy everything before ``save`` returns) for a
     model whose forward changes large tensors in place."""
+    preemption_grace_s: float = 20.0
+    """Seconds a run has, from SIGTERM, SIGINT or SIGUSR1, to finish its step, save it and exit (exit code
+    75, "preempted at step N"). Keep it under what the platform waits before SIGKILL: Kubernetes' default
+    termination grace and torchrun's shutdown timeout are 30 s, a GKE spot node gives about 25 s. A save
+    that cannot finish in time is abandoned: the last complete checkpoint stays the one a resume loads."""
 
     def __post_init__(self) -> None:
         _check_types(self, "checkpoint")
+        _check(self.preemption_grace_s > 0, "checkpoint.preemption_grace_s", self.preemption_grace_s,
+               "must be > 0 seconds (e.g. 20, under the platform's SIGKILL deadline)")
         _one_of("checkpoint.mode", self.mode, CHECKPOINT_MODES)
         _ints(self, "checkpoint", every=0, keep_last=1)
         _check(self.resume in ("latest", "none") or _digits(self.resume), "checkpoint.resume",

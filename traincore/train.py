@@ -30,10 +30,11 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.distributed.elastic.multiprocessing.api import SignalException
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 
 from traincore.checkpoint.checkpointer import Checkpointer
-from traincore.checkpoint.layout import CheckpointError
+from traincore.checkpoint.layout import CheckpointError, step_dir
 from traincore.config import PARALLELISMS, Config, ConfigError
 from traincore.data.autotune import autotune
 from traincore.data.loader import StagedLoader, StagedSplit
@@ -47,6 +48,14 @@ from traincore.dist import (
 )
 from traincore.launch import launch_local, refuse_under_torchrun, start_method
 from traincore.models import build_model, parameter_count, shard_units
+from traincore.preemption import (
+    PREEMPTED_EXIT_CODE,
+    Preempted,
+    PreemptionWatch,
+    clear_record,
+    read_record,
+    write_record,
+)
 from traincore.preflight import preflight
 from traincore.presets import PRESETS, build_config
 from traincore.state import Progress, training_registry
@@ -129,8 +138,13 @@ class Trainer:
         stack.enter_context(deterministic_algorithms(cfg.train.deterministic))
         self.ctx = ctx = stack.enter_context(distributed(cfg.dist))
         stack.enter_context(logging_setup(cfg.telemetry.level, ctx.rank))
+        # Closed among the last: its grace timer bounds the checkpointer's and telemetry's closing too.
+        self.preemption = PreemptionWatch(cfg.checkpoint.preemption_grace_s, ctx.world_size)
+        stack.callback(self.preemption.close)
         self.startup.mark("process group")
         self.output.mkdir(parents=True, exist_ok=True)
+        if ctx.is_main:
+            clear_record(self.checkpoint_root)
         self.loader, self.val_split = training_loader(cfg, self.data_dir, ctx)
         self.total_steps = total_steps(cfg, self.loader.steps_per_epoch)
         self.startup.mark("loader")
@@ -166,7 +180,11 @@ class Trainer:
         self.parts.close()
 
     def train(self) -> TrainSummary:
-        """Run the steps from the resumed one to the last, validate, summarise; then close the run."""
+        """Run the steps from the resumed one to the last, validate, summarise; then close the run.
+
+        Raises :class:`~traincore.preemption.Preempted` when a signal stopped the run at a step boundary,
+        after that step was saved on every rank.
+        """
         if self.closed:
             raise RuntimeError("this Trainer has finished and is closed: build a new Trainer to train again")
         with self:
@@ -241,8 +259,26 @@ class Trainer:
             if cfg.train.eval_every and step % cfg.train.eval_every == 0 and not last:
                 self.telemetry.log_eval(step, validate(self.model, self.val_split, cfg.loader.eval_batch_size,
                                                        self.ctx))
-            self.checkpointer.maybe_save(step, last_step=last)
+            saved = self.checkpointer.maybe_save(step, last_step=last)
+            if not last and self.preemption.stop_requested():
+                self._stop_preempted(step, saved)
+        self.preemption.finish()
         self.checkpointer.wait()
+
+    def _stop_preempted(self, step: int, saved: bool) -> None:
+        """Every rank: save ``step`` unless just done, wait until it is committed, raise Preempted."""
+        checkpoint: str | None = str(step_dir(self.checkpoint_root, step))
+        try:
+            if not saved:
+                self.checkpointer.save(step)
+            self.checkpointer.wait()
+        except CheckpointError as exc:  # e.g. a full disk: the last complete checkpoint stays the latest
+            log.error("preempted at step %d, but its checkpoint failed: %s", step, exc)
+            checkpoint = None
+        preempted = Preempted(step, self.preemption.signal_name or "a signal", checkpoint)
+        if self.ctx.is_main:
+            write_record(self.checkpoint_root, preempted)
+        raise preempted
 
     def _summary(self, val_accuracy: float) -> TrainSummary:
         """The run's summary from the telemetry totals (restored on resume, so they cover the whole run)."""
@@ -325,13 +361,18 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def check_launch_flags(args: argparse.Namespace) -> None:
-    """ConfigError for --nproc-per-node / --max-restarts out of range, or given to a torchrun worker."""
+    """ConfigError for --nproc-per-node / --max-restarts out of range, or given to a torchrun worker, and
+    for a training length below 1 (0 would silently mean "the preset's length")."""
     for option, value, least in (("--nproc-per-node", args.nproc_per_node, 1),
                                  ("--max-restarts", args.max_restarts, 0)):
         if value is not None:
             refuse_under_torchrun(option)
             if value < least:
                 raise ConfigError(f"{option}={value} is invalid: it must be >= {least}")
+    for option, value in (("--max-steps", args.max_steps), ("--epochs", args.epochs)):
+        if value is not None and value < 1:
+            raise ConfigError(f"{option} {value} is invalid: it must be >= 1 (omit it to keep the preset's "
+                              "length; --max-steps N trains N optimizer steps, --epochs N trains N epochs)")
     if args.max_restarts and args.nproc_per_node is None:
         raise ConfigError("--max-restarts restarts the workers of --nproc-per-node: add --nproc-per-node N")
 
@@ -395,6 +436,23 @@ def _report(exc: BaseException, rank: int) -> None:
     print(f"error: {exc}" if rank == 0 else f"error (rank {rank}): {exc}", file=sys.stderr, flush=True)
 
 
+def _report_preempted(exc: Preempted) -> None:
+    """Rank 0 says once where the run stopped and what was saved."""
+    if _launch_rank() == 0:
+        print(exc, file=sys.stderr, flush=True)
+
+
+def _preempted_workers(error: ChildFailedError, root: Path) -> bool:
+    """Whether the workers failed only by exiting as preempted, with the run's record of it in place."""
+    return (all(failure.exitcode == PREEMPTED_EXIT_CODE for failure in error.failures.values())
+            and read_record(root) is not None)
+
+
+def checkpoint_root(args: argparse.Namespace) -> Path:
+    """The run's checkpoint root: --checkpoint-dir, else <output>/checkpoints (as the Trainer takes it)."""
+    return Path(args.checkpoint_dir) if args.checkpoint_dir else Path(args.output) / "checkpoints"
+
+
 def train_worker(cfg: Config, data_dir: str, output_dir: str, checkpoint_dir: str | None, manifest: Manifest,
                  startup: dict) -> TrainSummary:
     """One worker of ``--nproc-per-node``: trains on what the launcher checked. Bad input found only now
@@ -407,6 +465,9 @@ def train_worker(cfg: Config, data_dir: str, output_dir: str, checkpoint_dir: st
     except USAGE_ERRORS as exc:
         _report(exc, _launch_rank())
         sys.exit(2)
+    except Preempted as exc:
+        _report_preempted(exc)
+        sys.exit(PREEMPTED_EXIT_CODE)
 
 
 def train_local_workers(cfg: Config, args: argparse.Namespace, started_at: float) -> TrainSummary:
@@ -441,9 +502,19 @@ def main(argv: list[str] | None = None) -> int:
     except USAGE_ERRORS as exc:
         _report(exc, _launch_rank())
         return 2
+    except Preempted as exc:
+        _report_preempted(exc)
+        return PREEMPTED_EXIT_CODE
     except ChildFailedError as exc:
+        if _preempted_workers(exc, checkpoint_root(args)):  # rank 0's worker has said so
+            return PREEMPTED_EXIT_CODE
         print(exc, file=sys.stderr, flush=True)
         return max(exc.get_first_failure()[1].exitcode, 1)
+    except SignalException as exc:  # the signal reached this launcher, which stopped its workers
+        print(f"stopped by {exc.sigval.name}" if read_record(checkpoint_root(args)) else
+              f"stopped by {exc.sigval.name} before a checkpoint could be saved; the same command resumes "
+              "from the last complete one", file=sys.stderr, flush=True)
+        return PREEMPTED_EXIT_CODE
     if _launch_rank() == 0:
         print(format_summary(summary), flush=True)
     return 0

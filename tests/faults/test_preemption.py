@@ -1,0 +1,145 @@
+"""Preemption with real signals to real launchers: torchrun (SIGTERM, as Kubernetes and Slurm send it), the
+CLI's own workers (Ctrl-C: SIGINT to the whole foreground process group) and a grace too short to save in.
+
+The run stops at a step boundary all ranks agree on, saves that step, exits 75 naming it, and the same
+command resumes from it; on CPU with a fixed seed the final weights are bitwise those of an uninterrupted run.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from faultlib import TINY, child_env, descendants, metric_rows, run, torchrun, train_args, wait_for
+
+from traincore.checkpoint.layout import complete_steps, step_dir, verify_checkpoint
+from traincore.export import export
+from traincore.preemption import PREEMPTED_EXIT_CODE, RECORD_FILE
+
+STEPS, EVERY = 300, 100
+DEFAULT_GRACE_S = 20.0
+
+
+def weights(output: Path) -> dict[str, torch.Tensor]:
+    from safetensors.torch import load_file
+
+    export(output / "checkpoints", output / "model.safetensors")
+    return load_file(output / "model.safetensors")
+
+
+def start(cmd: list[str], log: Path) -> subprocess.Popen:
+    """Start ``cmd`` in a session of its own (as a terminal's foreground job), output to ``log``."""
+    with open(log, "w") as out:
+        return subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=child_env(),
+                                start_new_session=True)
+
+
+def interrupt_mid_run(process: subprocess.Popen, output: Path, sig: int, group: bool = False) -> float:
+    """Once the run has logged a few steps, send ``sig`` (to the process group: a Ctrl-C); seconds it took
+    the launcher and every process below it to exit."""
+    wait_for(lambda: len(metric_rows(output)) >= 5 or process.poll() is not None, 120, "training to start")
+    assert process.poll() is None, "the run ended before it could be interrupted"
+    tree = descendants(process.pid)
+    sent = time.monotonic()
+    os.killpg(process.pid, sig) if group else os.kill(process.pid, sig)
+    process.wait(timeout=DEFAULT_GRACE_S + 15)
+    wait_for(lambda: not any(Path(f"/proc/{pid}").exists() for pid in tree), 10, "every process to exit")
+    return time.monotonic() - sent
+
+
+def check_saved(output: Path, log: str, signal_name: str) -> int:
+    """The step the message names, after checking its checkpoint is complete and the record names it."""
+    line = next(line for line in log.splitlines() if line.startswith("preempted at step "))
+    step = int(line.split()[3])
+    assert f"preempted at step {step} by {signal_name}: checkpoint step-{step} saved" in line
+    assert 0 < step < STEPS and complete_steps(output / "checkpoints")[-1] == step
+    verify_checkpoint(step_dir(output / "checkpoints", step))
+    record = json.loads((output / "checkpoints" / RECORD_FILE).read_text())
+    assert (record["step"], record["signal"]) == (step, signal_name)
+    return step
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(fault_data, tmp_path_factory) -> dict[str, torch.Tensor]:
+    output = tmp_path_factory.mktemp("uninterrupted") / "run"
+    done = run(torchrun(2, "traincore.train", *train_args(fault_data, output, "--max-steps", str(STEPS),
+                                                           "--checkpoint-every", str(EVERY))))
+    assert done.returncode == 0, done.stderr[-3000:]
+    return weights(output)
+
+
+@pytest.mark.parametrize("mode", ["sync", "async"])
+def test_sigterm_to_torchrun_saves_the_step_and_the_same_command_resumes_bitwise(
+        fault_data, tmp_path, uninterrupted, mode):
+    output = tmp_path / "run"
+    cmd = torchrun(2, "traincore.train", *train_args(fault_data, output, "--max-steps", str(STEPS),
+                                                     "--checkpoint-every", str(EVERY),
+                                                     "--checkpoint-mode", mode))
+    process = start(cmd, tmp_path / "log")
+    took = interrupt_mid_run(process, output, signal.SIGTERM)
+    log = (tmp_path / "log").read_text()
+    assert process.returncode != 0 and took < DEFAULT_GRACE_S, (process.returncode, took, log[-3000:])
+    step = check_saved(output, log, "SIGTERM")
+
+    resumed = run(cmd)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert f"resumed from step {step}" in resumed.stdout + resumed.stderr
+    assert [row["step"] for row in metric_rows(output)] == list(range(1, STEPS + 1))  # none lost, none twice
+    final = weights(output)
+    assert all(torch.equal(final[name], uninterrupted[name]) for name in uninterrupted)
+    print(f"{mode}: SIGTERM to torchrun -> step {step} saved and every process gone in {took:.1f} s")
+
+
+def test_ctrl_c_on_the_clis_own_workers_saves_the_step_without_a_traceback(fault_data, tmp_path,
+                                                                          uninterrupted):
+    output = tmp_path / "run"
+    cmd = [sys.executable, "-m", "traincore.train", *train_args(fault_data, output, "--max-steps", str(STEPS),
+                                                                "--checkpoint-every", str(EVERY),
+                                                                "--nproc-per-node", "2")]
+    process = start(cmd, tmp_path / "log")
+    took = interrupt_mid_run(process, output, signal.SIGINT, group=True)
+    log = (tmp_path / "log").read_text()
+    assert process.returncode == PREEMPTED_EXIT_CODE and took < DEFAULT_GRACE_S, (process.returncode, log)
+    assert "Traceback" not in log and "KeyboardInterrupt" not in log, log[-3000:]
+    step = check_saved(output, log, "SIGINT")
+
+    resumed = run(cmd)
+    assert resumed.returncode == 0 and f"resumed from step {step}" in resumed.stdout + resumed.stderr
+    final = weights(output)
+    assert all(torch.equal(final[name], uninterrupted[name]) for name in uninterrupted)
+
+
+def test_a_save_that_outlasts_the_grace_is_abandoned_and_the_last_complete_checkpoint_loads(
+        fault_data, tmp_path):
+    # A model whose state takes far longer to write than the grace allows: ~50 MB, a 50 ms grace.
+    config = {**TINY, "model": {"name": "mlp", "width": 2048},
+              "checkpoint": {"preemption_grace_s": 0.05}}
+    output = tmp_path / "run"
+
+    def cli(steps: int) -> list[str]:
+        return [sys.executable, "-m", "traincore.train", *train_args(
+            fault_data, output, "--max-steps", str(steps), "--checkpoint-every", "20", config=config)]
+
+    process = start(cli(4000), tmp_path / "log")
+    wait_for(lambda: complete_steps(output / "checkpoints") or process.poll() is not None, 120,
+             "the first checkpoint")
+    process.send_signal(signal.SIGTERM)
+    assert process.wait(timeout=30) == PREEMPTED_EXIT_CODE
+    log = (tmp_path / "log").read_text()
+    assert "did not finish within checkpoint.preemption_grace_s=0.05" in log, log[-3000:]
+    assert not (output / "checkpoints" / RECORD_FILE).exists()
+    complete = complete_steps(output / "checkpoints")
+    last_logged = metric_rows(output)[-1]["step"]
+    assert complete and complete[-1] < last_logged, (complete, last_logged)
+    verify_checkpoint(step_dir(output / "checkpoints", complete[-1]))
+
+    resumed = run(cli(complete[-1] + 2))
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert f"resumed from step {complete[-1]}" in resumed.stdout + resumed.stderr

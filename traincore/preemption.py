@@ -1,0 +1,156 @@
+"""Preemption: a signalled run finishes its step, saves it on every rank and exits, within a grace budget.
+
+Kubernetes evicts a pod with SIGTERM and SIGKILLs it after its termination grace (30 s by default; a GKE
+spot node gives about 25 s), Slurm signals a job before its time limit (``--signal``) or on preemption,
+torchrun forwards SIGTERM and SIGINT to its workers (and SIGKILLs them 30 s later), and a person presses
+Ctrl-C. :class:`PreemptionWatch` turns any of SIGTERM, SIGINT and SIGUSR1 into a request to stop; the
+signal handler only records it, since collectives or I/O inside a handler can deadlock. At each step
+boundary the ranks agree on whether to stop: a one-element all-reduce (MAX) on a gloo group of the watch's
+own, started at one boundary and read at the next, so it overlaps a step instead of adding a round trip
+to it. All ranks read the same result at the same boundary, so they stop after the same step even when
+the signal reached them at different steps. The Trainer then saves that step and raises :class:`Preempted`.
+
+The budget (``checkpoint.preemption_grace_s``) counts from the first signal. When it runs out before the
+save is committed, the process exits with :data:`PREEMPTED_EXIT_CODE` at once: its save never gets a
+commit marker, so a resume loads the last complete checkpoint, never a torn one.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import signal
+import sys
+import threading
+import time
+from datetime import timedelta
+from pathlib import Path
+from types import FrameType
+
+import torch
+import torch.distributed as dist
+
+from traincore.files import write_atomically
+
+PREEMPTED_EXIT_CODE = 75
+"""Exit code of a preempted run (EX_TEMPFAIL, "try again"): the same command resumes it."""
+PREEMPTION_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1)
+RECORD_FILE = "preempted.json"
+"""Written by rank 0 into the checkpoint root when the run stops on a signal: step, signal, checkpoint. The
+root, not the output directory: a launcher and its (spawned) workers may not share the latter."""
+
+log = logging.getLogger(__name__)
+
+
+class Preempted(Exception):
+    """The run stopped on a signal after ``step``; ``checkpoint`` is the directory that holds that step, or
+    None when no checkpoint of it could be saved."""
+
+    def __init__(self, step: int, signal_name: str, checkpoint: str | None):
+        self.step, self.signal_name, self.checkpoint = step, signal_name, checkpoint
+        if checkpoint:
+            outcome = (f"checkpoint step-{step} saved in {Path(checkpoint).parent}; run the same command "
+                       "again to resume from it")
+        else:
+            outcome = "no checkpoint of it was saved; the same command resumes from the last complete one"
+        super().__init__(f"preempted at step {step} by {signal_name}: {outcome}")
+
+    def to_record(self) -> dict:
+        return {"step": self.step, "signal": self.signal_name, "checkpoint": self.checkpoint}
+
+    @classmethod
+    def from_record(cls, record: dict) -> Preempted:
+        return cls(int(record["step"]), str(record["signal"]), record.get("checkpoint"))
+
+
+def write_record(root: Path, preempted: Preempted) -> None:
+    """Leave the outcome where a launcher that saw only its workers end (torchrun, a Flyte task) finds it."""
+    root.mkdir(parents=True, exist_ok=True)
+    write_atomically(root / RECORD_FILE, json.dumps(preempted.to_record()))
+
+
+def read_record(root: str | Path) -> Preempted | None:
+    """The preemption a run left in its checkpoint ``root``, or None (no record, or an unreadable one)."""
+    try:
+        return Preempted.from_record(json.loads((Path(root) / RECORD_FILE).read_text()))
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+
+
+def clear_record(root: Path) -> None:
+    """Remove an earlier attempt's record, so it is never taken for this run's."""
+    (root / RECORD_FILE).unlink(missing_ok=True)
+
+
+class PreemptionWatch:
+    """Signal handlers for one run (restored by :meth:`close`) and the ranks' agreement on when to stop."""
+
+    def __init__(self, grace_s: float, world_size: int = 1):
+        self.grace_s = grace_s
+        self.signal_name: str | None = None
+        self.deadline: float | None = None
+        self._previous: dict[int, object] = {}
+        self._timer: threading.Timer | None = None
+        self._group = self._flag = self._work = None
+        if world_size > 1 and dist.is_initialized():
+            # A group of its own: the agreement's collective never interleaves with the training backend's
+            # or the checkpointer's (whose commits run collectives from a background thread).
+            self._group = dist.new_group(backend="gloo", timeout=timedelta(minutes=2))
+        self._install()
+
+    def _install(self) -> None:
+        """Only the main thread may set handlers; elsewhere (a Trainer in a thread) signals keep theirs."""
+        if threading.current_thread() is not threading.main_thread():
+            log.debug("not in the main thread: preemption signals are not watched")
+            return
+        for signum in PREEMPTION_SIGNALS:
+            self._previous[signum] = signal.signal(signum, self._on_signal)
+
+    def _on_signal(self, signum: int, frame: FrameType | None) -> None:
+        """Record the first signal and start the grace; later ones (torchrun forwards Ctrl-C again) wait."""
+        if self.signal_name is not None:
+            return
+        self.signal_name = signal.Signals(signum).name
+        self.deadline = time.monotonic() + self.grace_s
+        self._timer = threading.Timer(self.grace_s, self._out_of_time)
+        self._timer.daemon = True
+        self._timer.start()
+
+    def _out_of_time(self) -> None:
+        # Exit without unwinding: a save still being written has no commit marker and is never loaded.
+        print(f"preempted by {self.signal_name}: the step and its checkpoint did not finish within "
+              f"checkpoint.preemption_grace_s={self.grace_s:g}; exiting, the last complete checkpoint stays "
+              "the one a resume loads", flush=True, file=sys.stderr)
+        os._exit(PREEMPTED_EXIT_CODE)
+
+    def stop_requested(self) -> bool:
+        """At a step boundary, on every rank: whether every rank stops here (collective when distributed)."""
+        if self._group is None:
+            return self.signal_name is not None
+        agreed = False
+        if self._work is not None:
+            self._work.wait()
+            agreed = bool(self._flag.item())
+        if not agreed:
+            self._flag = torch.tensor([int(self.signal_name is not None)], dtype=torch.int32)
+            self._work = dist.all_reduce(self._flag, op=dist.ReduceOp.MAX, group=self._group, async_op=True)
+        return agreed
+
+    def finish(self) -> None:
+        """The loop ended normally: wait for the last agreement every rank started."""
+        if self._work is not None:
+            self._work.wait()
+            self._work = None
+
+    def close(self) -> None:
+        """Restore the signal handlers there were, stop the grace timer (whoever called close is unwinding on
+        its own: an error document or an exit code still has to be written) and drop the watch's group."""
+        for signum, handler in self._previous.items():
+            signal.signal(signum, handler)
+        self._previous = {}
+        if self._timer is not None:
+            self._timer.cancel()
+        if self._group is not None:
+            dist.destroy_process_group(self._group)
+            self._group = self._work = None
