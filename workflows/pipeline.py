@@ -21,11 +21,16 @@ from traincore.config import Config
 
 
 @dynamic
-def train_on_backend(config: Config, dataset: StagedDataset, topology: Topology,
-                     checkpoint_uri: str) -> TrainResult:
-    """Launch the train task the topology asks for; the checkpoint root is fixed here, so retries share it."""
+def train_on_backend(config: Config, dataset: StagedDataset, topology: Topology, checkpoint_uri: str,
+                     interruptible: bool) -> TrainResult:
+    """Launch the train task the topology asks for; the checkpoint root is fixed here, so retries share it.
+
+    ``interruptible`` lets Flyte schedule the train pods on spot / preemptible nodes: an eviction saves the
+    step reached (checkpoint.preemption_grace_s) and the task's retries resume from it.
+    """
     root = checkpoint_uri or default_checkpoint_root()
-    return train_task_for(topology, config)(config=config, dataset=dataset, checkpoint_root=root)
+    train = train_task_for(topology, config)(config=config, dataset=dataset, checkpoint_root=root)
+    return train.with_overrides(interruptible=interruptible) if interruptible else train
 
 
 class PipelineOutputs(NamedTuple):
@@ -49,6 +54,7 @@ def training_pipeline(
     max_restarts: int = 0,
     parallelism: str = "ddp",
     checkpoint_uri: str = "",
+    interruptible: bool = False,
     slurm_target: str = "",
     slurm_partition: str = "",
     slurm_account: str = "",
@@ -77,6 +83,9 @@ def training_pipeline(
             optimizer state sharded across the processes: for models that do not fit one device).
         checkpoint_uri: Durable checkpoint root (path or s3://, gs://...); empty = keyed by execution id under
             the raw output prefix. A retry or relaunch with the same root resumes from its latest checkpoint.
+        interruptible: backend 'kubernetes': run the train pods on spot / preemptible nodes. An eviction
+            (SIGTERM) saves the step reached within checkpoint.preemption_grace_s, and Flyte's retries
+            resume from it with no step lost. On Slurm, pick a preemptible partition or QOS instead.
         slurm_target: backend 'slurm': ssh Host alias (~/.ssh/config) or hostname of the login node.
         slurm_partition: backend 'slurm': partition (empty = the cluster's default).
         slurm_account: backend 'slurm': account to charge (empty = your default).
@@ -99,7 +108,7 @@ def training_pipeline(
                     slurm_setup=slurm_setup)
     dataset = stage_dataset(data=plan.data, source_fingerprint=plan.source_fingerprint)
     trained = train_on_backend(config=plan.config, dataset=dataset, topology=plan.topology,
-                               checkpoint_uri=checkpoint_uri)
+                               checkpoint_uri=checkpoint_uri, interruptible=interruptible)
     model = export_model(trained=trained, dataset=dataset)
     report = evaluate_model(model=model, dataset=dataset, trained=trained)
     return PipelineOutputs(model=model, report=report, dataset=dataset)

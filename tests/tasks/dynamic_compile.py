@@ -15,8 +15,8 @@ from workflows.pipeline import train_on_backend
 IMAGE = "ghcr.io/example/flyte-torch-pipeline:test"
 
 
-def compile_train(topology: Topology) -> TaskTemplate:
-    """Run the launching @dynamic as the cluster would and return the train task it emits."""
+def compile_dynamic(topology: Topology, interruptible: bool = False):
+    """Run the launching @dynamic as the cluster would: the DynamicJobSpec (nodes and task templates)."""
     settings = SerializationSettings(image_config=ImageConfig(default_image=Image(name="default",
                                                                                   fqn=IMAGE.split(":")[0],
                                                                                   tag="test")),
@@ -25,13 +25,18 @@ def compile_train(topology: Topology) -> TaskTemplate:
                             classes=list("0123456789"), shape=[1, 32, 32],
                             counts={"train": 1437, "val": 180, "test": 180}, format_version=1,
                             source_fingerprint="digits:sha256:" + "0" * 32)
-    inputs = {"config": preset("digits"), "dataset": dataset, "topology": topology, "checkpoint_uri": "s3://bucket/run"}
+    inputs = {"config": preset("digits"), "dataset": dataset, "topology": topology,
+              "checkpoint_uri": "s3://bucket/run", "interruptible": interruptible}
     train_on_backend._wf = None  # flytekit compiles a dynamic once per process (a pod runs one); start afresh
     ctx = FlyteContextManager.current_context()
     with FlyteContextManager.with_context(ctx.with_serialization_settings(settings)) as ctx:
         state = ctx.execution_state.with_params(mode=ExecutionState.Mode.TASK_EXECUTION)
         with FlyteContextManager.with_context(ctx.with_execution_state(state)) as ctx:
             literals = TypeEngine.dict_to_literal_map(ctx, inputs, train_on_backend.python_interface.inputs)
-            spec = train_on_backend.dispatch_execute(ctx, literals)
-    (template,) = [t for t in spec.tasks if t.id.name.startswith("tasks.train.")]
+            return train_on_backend.dispatch_execute(ctx, literals)
+
+
+def compile_train(topology: Topology) -> TaskTemplate:
+    """Run the launching @dynamic as the cluster would and return the train task it emits."""
+    (template,) = [t for t in compile_dynamic(topology).tasks if t.id.name.startswith("tasks.train.")]
     return template

@@ -12,7 +12,7 @@ import tarfile
 from pathlib import Path
 
 import pytest
-from dynamic_compile import IMAGE, compile_train  # noqa: I001  (a module beside this file)
+from dynamic_compile import IMAGE, compile_dynamic, compile_train  # noqa: I001  (a module beside this file)
 from flyteidl.admin import launch_plan_pb2, task_pb2, workflow_pb2
 from flytekit.models.task import Resources
 from flytekit.tools.module_loader import load_object_from_module
@@ -97,3 +97,12 @@ def test_single_node_launch_stays_a_plain_pod():
     template = compile_train(Topology(backend="kubernetes", nproc_per_node=3))
     assert template.type == "python-task" and not template.custom
     assert not template.extended_resources.gpu_accelerator.device
+
+
+def test_interruptible_input_puts_the_train_node_on_preemptible_capacity():
+    topology = Topology(backend="kubernetes", nnodes=2, nproc_per_node=1)
+    (asked,) = [node for node in compile_dynamic(topology, interruptible=True).nodes
+                if node.task_node and node.task_node.reference_id.name.startswith("tasks.train.")]
+    assert asked.metadata.interruptible is True
+    (default,) = compile_dynamic(topology).nodes
+    assert not default.metadata.interruptible
