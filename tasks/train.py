@@ -80,8 +80,8 @@ def stop_preempted(preempted: Preempted, checkpoint_root: str) -> NoReturn:
     ``pyflyte run`` (a Ctrl-C, say), a few lines and exit code 75 instead of a traceback."""
     if not FlyteContextManager.current_context().execution_state.is_local_execution():
         raise FlyteRecoverableException(str(preempted)) from None
-    print(f"{preempted}\nto resume, run the same pyflyte command with --checkpoint_uri {checkpoint_root}",
-          file=sys.stderr, flush=True)
+    advice = f"to resume, run the same pyflyte command with --checkpoint_uri {checkpoint_root}"
+    print(preempted.headline, advice, sep="\n", file=sys.stderr, flush=True)
     raise SystemExit(PREEMPTED_EXIT_CODE)
 
 

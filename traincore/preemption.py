@@ -49,12 +49,15 @@ class Preempted(Exception):
 
     def __init__(self, step: int, signal_name: str, checkpoint: str | None):
         self.step, self.signal_name, self.checkpoint = step, signal_name, checkpoint
-        if checkpoint:
-            outcome = (f"checkpoint step-{step} saved in {Path(checkpoint).parent}; run the same command "
-                       "again to resume from it")
-        else:
-            outcome = "no checkpoint of it was saved; the same command resumes from the last complete one"
-        super().__init__(f"preempted at step {step} by {signal_name}: {outcome}")
+        super().__init__(f"{self.headline}; the same command resumes from "
+                         f"{'it' if checkpoint else 'the last complete one'}")
+
+    @property
+    def headline(self) -> str:
+        """Where the run stopped and what it saved, without the advice (which depends on the launcher)."""
+        saved = (f"checkpoint step-{self.step} saved in {Path(self.checkpoint).parent}" if self.checkpoint
+                 else "no checkpoint of it was saved")
+        return f"preempted at step {self.step} by {self.signal_name}: {saved}"
 
     def to_record(self) -> dict:
         return {"step": self.step, "signal": self.signal_name, "checkpoint": self.checkpoint}

@@ -143,3 +143,28 @@ def test_a_save_that_outlasts_the_grace_is_abandoned_and_the_last_complete_check
     resumed = run(cli(complete[-1] + 2))
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert f"resumed from step {complete[-1]}" in resumed.stdout + resumed.stderr
+
+
+def test_ctrl_c_on_a_local_pyflyte_run_saves_the_step_and_prints_a_few_lines(tmp_path):
+    root, log = tmp_path / "checkpoints", tmp_path / "log"
+    pyflyte = str(Path(sys.executable).with_name("pyflyte"))
+    cmd = [pyflyte, "run", "workflows/pipeline.py", "training_pipeline", "--max_steps", "3000",
+           "--checkpoint_uri", str(root)]
+    with open(log, "w") as out:  # a run of its own: nothing cached from another test's pipeline
+        process = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, start_new_session=True,
+                                   env=child_env(FLYTE_LOCAL_CACHE_ENABLED="false"))
+    wait_for(lambda: " step 20/3000 " in log.read_text() or process.poll() is not None, 180, "training")
+    assert process.poll() is None, log.read_text()[-3000:]
+    before, tree = len(log.read_text().splitlines()), descendants(process.pid)
+    sent = time.monotonic()
+    os.killpg(process.pid, signal.SIGINT)
+    assert process.wait(timeout=DEFAULT_GRACE_S + 15) == PREEMPTED_EXIT_CODE, log.read_text()[-3000:]
+    took = time.monotonic() - sent
+    wait_for(lambda: not any(Path(f"/proc/{pid}").exists() for pid in tree), 10, "every process to exit")
+    after = log.read_text().splitlines()[before:]
+    assert took < DEFAULT_GRACE_S and "Traceback" not in "\n".join(after), "\n".join(after)
+    step = complete_steps(root)[-1]
+    assert f"preempted at step {step} by SIGINT: checkpoint step-{step} saved in {root}" in after
+    assert f"to resume, run the same pyflyte command with --checkpoint_uri {root}" in after
+    assert len(after) <= 15, "\n".join(after)  # the agent's and checkpointer's log lines, then the message
+    verify_checkpoint(step_dir(root, step))
