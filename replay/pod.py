@@ -88,6 +88,11 @@ def flyte_env(template: tasks_pb2.TaskTemplate, execution: Execution, attempt: i
     return env
 
 
+def platform_env() -> dict[str, str]:
+    """The object-store settings and credentials a platform gives every pod, from this environment."""
+    return {k: v for k, v in os.environ.items() if k.startswith(_PLATFORM_ENV_PREFIXES)}
+
+
 class RunningPod:
     """A started pod: wait for it, or stop its whole process group."""
 
@@ -97,7 +102,11 @@ class RunningPod:
             (self.dir / sub).mkdir(parents=True, exist_ok=True)
         args = self._localize(spec.args)
         env = self._process_env(spec.env, python_bin)
-        started = {"args": args, "env": env, "cwd": str(self.dir / "work")}  # enough to rerun the pod by hand
+        # Enough to rerun the pod by hand, but no credential: the platform's settings are named, and read
+        # again from the environment of whoever starts the pod (as a platform injects them at run time).
+        platform = sorted(set(platform_env()) - set(spec.env))
+        started = {"args": args, "env": {k: v for k, v in env.items() if k not in platform},
+                   "platform_env": platform, "cwd": str(self.dir / "work")}
         (self.dir / "pod.json").write_text(json.dumps(started, indent=1))
         self.log = self.dir / "log.txt"
         self.started = time.monotonic()
@@ -116,7 +125,7 @@ class RunningPod:
 
     def _process_env(self, container_env: dict[str, str], python_bin: Path) -> dict[str, str]:
         """Only what a pod would have: the image's PATH, the container env, the platform's store config."""
-        env = {k: v for k, v in os.environ.items() if k.startswith(_PLATFORM_ENV_PREFIXES)}
+        env = platform_env()
         env.update({"PATH": f"{python_bin}{os.pathsep}/usr/local/bin{os.pathsep}/usr/bin{os.pathsep}/bin",
                     "HOME": str(self.dir / "home"), "TMPDIR": str(self.dir / "tmp"), "LANG": "C.UTF-8"})
         env.update(container_env)

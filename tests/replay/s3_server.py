@@ -9,6 +9,7 @@ except under CI=true, where a server that cannot start fails them.
 from __future__ import annotations
 
 import os
+import secrets
 import signal
 import socket
 import subprocess
@@ -21,7 +22,8 @@ from pathlib import Path
 import pytest
 
 BUCKET = "replay-test"
-DUMMY_KEY, DUMMY_SECRET = "testing", "testing"  # moto accepts any credentials
+# moto accepts any credentials; a secret no file would hold by chance, so a test can look for it
+DUMMY_KEY, DUMMY_SECRET = "testing", f"replay-secret-{secrets.token_hex(8)}"
 START_TIMEOUT_S = 60
 
 

@@ -92,3 +92,8 @@ def test_workflow_on_s3_and_train_retry_resumes_from_the_s3_checkpoint_root(fast
     assert f"restored checkpoint step {latest}" in log or f"resumed from step {latest}" in log, log[-3000:]
     # Deterministic training: the resumed attempt ends with bitwise the weights attempt 0 had.
     assert download_weights(s3, ckpt, MAX_STEPS, tmp_path / "attempt-1") == final
+    # The pods got the store's credentials from the environment only: no file the replay left holds them.
+    secret = s3.env["FLYTE_AWS_SECRET_ACCESS_KEY"]
+    holding = [path for path in workdir.rglob("*") if path.is_file() and secret.encode() in path.read_bytes()]
+    assert not holding, holding
+    assert "FLYTE_AWS_SECRET_ACCESS_KEY" in started["platform_env"]
