@@ -24,13 +24,14 @@ from __future__ import annotations
 
 import json
 import shutil
+import signal
 import socket
 import time
 from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
-from flyteidl.core import literals_pb2
+from flyteidl.core import errors_pb2, literals_pb2
 from replay_helpers import run_replay  # noqa: I001  (a module beside this file)
 
 from replay import literals
@@ -45,6 +46,7 @@ CONFIG = json.dumps({"model": {"name": "small_cnn", "width": 8}, "loader": {"bat
 INPUTS = ("backend=kubernetes", "nnodes=2", "nproc_per_node=1", "max_restarts=2", f"max_steps={MAX_STEPS}",
           f"config_overrides={CONFIG}")
 TIMEOUT_S = 300
+DEFAULT_GRACE_S = 30  # Kubernetes' default termination grace: SIGKILL after it
 
 
 def final_weights(root: Path) -> dict[str, bytes]:
@@ -164,16 +166,31 @@ def test_operator_restart_of_a_killed_pod_resumes_bitwise(job):
 
 
 @pytest.mark.slow
-def test_flyte_retry_of_the_whole_train_node_resumes_bitwise(job):
+def test_evicted_pods_save_their_step_and_the_flyte_retry_resumes_from_it_bitwise(job):
+    """Both pods evicted (SIGTERM to each pod's first process, as the kubelet sends it, e.g. on a spot
+    reclaim): the workers agree on a step, save it, and the attempt fails as RECOVERABLE naming it; Flyte's
+    retry (attempt 1, a new job with new pods) resumes from exactly that step."""
     env = fresh_run(job, "retry")
     processes = start_job(job, env, "log-attempt-0.txt")
     try:
         first_checkpoint(job, processes)
+        evicted = time.monotonic()
+        for process in processes:
+            process.send_signal(signal.SIGTERM)
+        codes = wait_pods(processes, timeout=DEFAULT_GRACE_S)
+        took = time.monotonic() - evicted
     finally:
-        for process in processes:  # attempt 0 is lost with both of its pods
+        for process in processes:
             kill_pod(process)
+    logs = "".join((pod / "log-attempt-0.txt").read_text(errors="replace") for pod in job.pods)
+    assert codes == [0, 0], logs[-6000:]  # flytekit reports the task's error in error.pb and exits 0
+    error = errors_pb2.ErrorDocument.FromString((job.outputs_pb.parent / "error.pb").read_bytes()).error
     latest = complete_steps(job.root)[-1]
+    assert errors_pb2.ContainerError.Kind.Name(error.kind) == "RECOVERABLE", error.message
+    assert f"preempted at step {latest} by SIGTERM: checkpoint step-{latest} saved" in error.message
     assert latest < MAX_STEPS
+    print(f"evicted pods saved step {latest} and exited in {took:.1f} s")
+    (job.outputs_pb.parent / "error.pb").unlink()
     code, output, retry = run_replay(job.package, job.workdir, module="replay.retry", options=(
         "--store", str(job.workdir / "store"), "--execution", job.summary["execution"], "--node", TRAIN_NODE))
     assert code == 0, output[-6000:]
