@@ -14,6 +14,7 @@ import flytekit
 from flytekit import Resources, task
 from flytekit.core.context_manager import FlyteContextManager
 
+from tasks.storage import source_storage_options
 from tasks.types import StagedDataset
 from traincore.config import DataConfig
 from traincore.data.manifest import FORMAT_VERSION
@@ -49,14 +50,16 @@ def stage_dataset(data: DataConfig, source_fingerprint: str) -> StagedDataset:
 
     A staging already in the directory is verified before it is reused; a damaged one (a shard failing its
     check, an unreadable manifest) is staged again and swapped into place, with a warning naming the file.
-    Staging lists the source again and stages exactly that listing; if the source changed since plan_run,
-    the manifest and the output record what was staged (with a warning), and the next run, fingerprinting
-    the new state, stages it under its own key.
+    An object-store source is read with the store settings flytekit has (FLYTE_AWS_* for s3://), as Flyte
+    reads its own data. Staging lists the source again and stages exactly that listing; if the source
+    changed since plan_run, the manifest and the output record what was staged (with a warning), and the
+    next run, fingerprinting the new state, stages it under its own key.
     """
     output = staging_directory(data, source_fingerprint)
     start = time.perf_counter()
     manifest = stage(data, output, replace_unusable=True,  # the directory is this task's own
-                     progress=lambda line: print(f"stage_dataset: {line}", flush=True))
+                     progress=lambda line: print(f"stage_dataset: {line}", flush=True),
+                     storage_options=source_storage_options(data.source))
     if manifest.source_fingerprint != source_fingerprint:
         log.warning("the source %s changed after plan_run fingerprinted it (%s); staged as it is now (%s)",
                     data.source, source_fingerprint, manifest.source_fingerprint)

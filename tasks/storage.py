@@ -11,7 +11,10 @@ from pathlib import Path
 
 import flytekit
 from flytekit.core.context_manager import FlyteContextManager
+from flytekit.core.data_persistence import get_fsspec_storage_options
 from flytekit.types.directory import FlyteDirectory
+
+from traincore.config import parse_source
 
 NODE_CACHE = Path(tempfile.gettempdir()) / "flyte-torch-pipeline"
 # The execution id name flytekit gives every execution outside a cluster (FlyteContextManager.initialize).
@@ -26,6 +29,17 @@ def is_uri(location: str) -> bool:
 def local_path(location: str) -> Path:
     """A plain path or a file:// URI as a Path."""
     return Path(location.removeprefix("file://"))
+
+
+def source_storage_options(source: str) -> dict:
+    """The fsspec options to read the data source ``source`` (``imagefolder:s3://...``) with: the object-store
+    settings flytekit is configured with (FLYTE_AWS_* for s3://), as Flyte reads its own data; none for a
+    local path or a built-in source. Where flytekit has none, the store's own defaults apply (AWS_*)."""
+    kind, location = parse_source(source)
+    if kind != "imagefolder" or not is_uri(location):
+        return {}
+    data_config = FlyteContextManager.current_context().file_access.data_config
+    return get_fsspec_storage_options(location.split("://", 1)[0], data_config)
 
 
 def local_directory(directory: FlyteDirectory) -> Path:

@@ -6,6 +6,11 @@ is written to a temporary name, loaded back into the model its config describes 
 zeros; only then is it published, followed by ``lineage.json`` (traincore.lineage) and, last, the JSON
 config (which records its sha256 and so declares the export complete). Every rename is atomic.
 
+An export replaces only its own earlier version: the three files must be distinct (an output named
+``lineage.*`` is refused), and an existing weights file, config or ``lineage.json`` at their paths must belong
+to an earlier export to the same output, or the export is refused before anything is written (a
+``lineage.json`` of another model in the directory, a staging's ``manifest.json``, any other file).
+
     python -m traincore.export --checkpoint runs/train/checkpoints --output model.safetensors
 """
 
@@ -36,7 +41,7 @@ from traincore.checkpoint.layout import (
 )
 from traincore.config import ModelConfig
 from traincore.files import publish, sha256_file, write_atomically
-from traincore.lineage import LINEAGE_FILE, Lineage, with_run
+from traincore.lineage import LINEAGE_FILE, Lineage, LineageError, with_run
 from traincore.models import build_model, parameter_count
 
 WEIGHTS_FILE = "model.safetensors"  # the name an export directory holds the weights under
@@ -93,7 +98,8 @@ def _inside_checkpoint(path: Path) -> Path | None:
 
 def _check_output(output: str | Path, checkpoint_dir: Path) -> Path:
     """``output`` as a Path whose directory exists and is writable; ExportError if it is a directory, is
-    its own config or lies in a committed checkpoint (the one exported or any other)."""
+    its own config, lies in a committed checkpoint (the one exported or any other) or would replace a file
+    that is not its own earlier export (:func:`_check_targets`)."""
     if str(output).endswith(("/", os.sep)) or Path(output).is_dir():
         raise ExportError(f"output {output} is a directory: pass a file path such as "
                           f"{Path(output) / WEIGHTS_FILE}")
@@ -107,8 +113,55 @@ def _check_output(output: str | Path, checkpoint_dir: Path) -> Path:
         raise ExportError(f"output {output} is inside the checkpoint {inside}, which must not change once "
                           "committed (export never writes there): write the model outside the checkpoint "
                           "directory")
+    _check_targets(output)
     _check_writable(output.parent, output)
     return output
+
+
+def _check_targets(output: Path) -> None:
+    """ExportError if the three files an export writes (the weights, their JSON config, ``lineage.json``)
+    would be one file, or would replace files that are not this output's earlier export: an export
+    replaces only its own earlier version, never another model's lineage or an unrelated file."""
+    targets = {"model": output, "JSON config": config_path_for(output), "lineage": lineage_path_for(output)}
+    resolved = {name: path.resolve() for name, path in targets.items()}
+    for first, second in (("model", "lineage"), ("JSON config", "lineage"), ("model", "JSON config")):
+        if resolved[first] == resolved[second]:
+            raise ExportError(f"output {output}: its {first} file and its {second} file would both be "
+                              f"{targets[second]}: use another name, such as "
+                              f"{output.with_name(WEIGHTS_FILE)}")
+    elsewhere = f"export into a directory of its own, e.g. --output {output.parent / 'export' / WEIGHTS_FILE}"
+    earlier = _earlier_export(targets["JSON config"])
+    for name in ("model", "JSON config"):
+        path = targets[name]
+        if (path.exists() or path.is_symlink()) and earlier is None:
+            raise ExportError(f"output {output}: its {name} file {path} already exists and is not part of an "
+                              f"earlier export to {output}, so exporting would replace it: {elsewhere}, or "
+                              "move that file away")
+    lineage = targets["lineage"]
+    if (lineage.exists() or lineage.is_symlink()) and (earlier is None or _lineage_model(lineage) != earlier):
+        raise ExportError(f"output {output}: {lineage} already exists and is not the lineage of an earlier "
+                          f"export to {output} (another model exported into {output.parent}, or another "
+                          f"file): {elsewhere}")
+
+
+def _earlier_export(config_path: Path) -> str | None:
+    """The weights' sha256 that an export config at ``config_path`` records; None if there is none."""
+    try:
+        config = json.loads(config_path.read_bytes())
+    except (OSError, ValueError):  # missing, a directory, not JSON: no earlier export
+        return None
+    if not isinstance(config, dict) or not isinstance(config.get("model"), dict):
+        return None
+    digest = config.get("sha256")
+    return digest if isinstance(digest, str) else None
+
+
+def _lineage_model(path: Path) -> str | None:
+    """The model sha256 a lineage.json records; None if it is not a readable lineage record."""
+    try:
+        return Lineage.load(path).model_sha256
+    except (LineageError, OSError):
+        return None
 
 
 def _check_writable(directory: Path, output: Path) -> None:

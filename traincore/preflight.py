@@ -121,7 +121,8 @@ def _classes(classes: list[str]) -> str:
 def check_resume(cfg: Config, manifest: Manifest, root: Path, data_dir: str | Path) -> None:
     """Refuse, before training, a resume the checkpointer would refuse once the workers run: a step that has
     no complete checkpoint, a checkpoint in a format this code cannot read, or one of another model or of
-    data with other classes or another sample shape. A checkpoint whose files cannot be read is left to
+    data with other classes, another sample shape or another number of training samples (the loader's
+    position in the epoch would not carry over). A checkpoint whose files cannot be read is left to
     the checkpointer, which verifies it and falls back to the previous complete one."""
     wanted = cfg.checkpoint.resume
     if wanted == "none":
@@ -137,9 +138,11 @@ def check_resume(cfg: Config, manifest: Manifest, root: Path, data_dir: str | Pa
     directory = step_dir(root, steps[-1] if wanted == "latest" else int(wanted))
     marker = read_marker(directory)  # CheckpointError naming the directory for a foreign or unknown format
     try:
-        meta = open_saved(directory, marker).shared.get("run", {})
+        shared = open_saved(directory, marker).shared
+        meta = shared.get("run", {})
         saved_model = meta.get("config", {}).get("model", {})
         saved_classes, saved_shape = meta.get("classes"), meta.get("shape")
+        saved_samples = shared.get("loader", {}).get("num_samples")
     except (OSError, RuntimeError, ValueError, KeyError, TypeError, AttributeError, EOFError,
             pickle.UnpicklingError):  # damaged files: the checkpointer verifies them and falls back
         return
@@ -156,3 +159,8 @@ def check_resume(cfg: Config, manifest: Manifest, root: Path, data_dir: str | Pa
             f"checkpoint {directory} was trained on data of {_classes(list(saved_classes or []))} and shape "
             f"{tuple(saved_shape or ())}, but {data_dir} holds {_classes(list(manifest.classes))} of shape "
             f"{tuple(manifest.shape)}: train on data staged as that run's was, {fresh}")
+    train_count = manifest.splits["train"].count
+    if saved_samples is not None and saved_samples != train_count:
+        raise CheckpointError(f"checkpoint {directory} was saved by a run over {saved_samples} training "
+                              f"samples, but {data_dir} has {train_count} (its place in the epoch would not "
+                              f"carry over): train on the dataset that run used, {fresh}")

@@ -21,6 +21,7 @@ import contextlib
 import json
 import os
 import re
+import shutil
 import subprocess
 import sys
 from collections.abc import Callable, Iterator
@@ -88,12 +89,15 @@ def trained(fault_data: Path, tmp_path_factory: pytest.TempPathFactory) -> Run:
 
 @pytest.fixture(scope="module")
 def other_data(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
-    """Stagings the trained run does not fit: 3 classes instead of 4; 1 channel instead of 3."""
+    """Stagings the trained run does not fit: 3 classes instead of 4; 1 channel instead of 3; 96 training
+    samples instead of 384."""
     root = tmp_path_factory.mktemp("bad-inputs-data")
     base = dict(source="synthetic", image_size=12, synthetic_samples=120, samples_per_shard=100)
     stage(DataConfig(**base, synthetic_classes=3), root / "three-classes")
     stage(DataConfig(**base, synthetic_classes=4, channels=1), root / "one-channel")
-    return {"three_classes": root / "three-classes", "one_channel": root / "one-channel"}
+    stage(DataConfig(**base, synthetic_classes=4), root / "fewer-samples")
+    return {"three_classes": root / "three-classes", "one_channel": root / "one-channel",
+            "more_samples": root / "fewer-samples"}
 
 
 class Env:
@@ -102,6 +106,7 @@ class Env:
     def __init__(self, tmp: Path, data: Path, other: dict[str, Path], run: Run, stack: contextlib.ExitStack):
         self.tmp, self.data, self.run, self._stack = tmp, data, run, stack
         self.three_classes, self.one_channel = other["three_classes"], other["one_channel"]
+        self.more_samples = other["more_samples"]  # same classes and shape, another training-split size
 
     def path(self, name: str) -> Path:
         """A path in this case's directory that does not exist yet."""
@@ -130,6 +135,53 @@ class Env:
         if broken:
             (root / "class_0" / broken).write_text("this is not an image\n")
         return root
+
+    def awkward_images(self, name: str) -> Path:
+        """An ImageFolder of the image kinds a camera roll or a scan holds: palette (with transparency),
+        CMYK, grey+alpha, RGBA, 16-bit grey, 1x1 and 1x40 pixels; 8 images, 2 classes."""
+        from PIL import Image
+
+        root = self.tmp / name
+        palette = Image.new("P", (9, 7), 1)
+        palette.putpalette([0, 0, 0, 200, 40, 90])
+        images = [(palette, "p.png", {"transparency": 1}),
+                  (Image.new("CMYK", (9, 7), (0, 255, 255, 0)), "cmyk.jpg", {}),
+                  (Image.new("LA", (9, 7), (120, 0)), "la.png", {}),
+                  (Image.new("RGBA", (9, 7), (70, 80, 250, 0)), "rgba.png", {}),
+                  (Image.new("I;16", (9, 7), 128 * 257), "grey16.png", {}),
+                  (Image.new("RGB", (1, 1), (200, 40, 90)), "1x1.png", {}),
+                  (Image.new("P", (1, 1), 0), "1x1.gif", {}),
+                  (Image.new("RGB", (1, 40), (9, 9, 9)), "1x40.png", {})]
+        for index, (image, file_name, options) in enumerate(images):
+            directory = root / f"class_{index % 2}"
+            directory.mkdir(parents=True, exist_ok=True)
+            image.save(directory / file_name, **options)
+        return root
+
+    def with_dot_files(self, root: Path) -> Path:
+        """``root`` with what macOS, Jupyter and git leave in a folder, some of it named like images."""
+        from PIL import Image
+
+        (root / ".git").mkdir()
+        Image.new("RGB", (4, 4)).save(root / ".git" / "logo.png")
+        for directory in sorted(root.glob("class_*")):
+            (directory / ".DS_Store").write_bytes(b"\0\0\0\1Bud1" + bytes(64))
+            (directory / "._img_0.png").write_bytes(b"\0\5\26\7\0\2\0\0Mac OS X        ")
+            (directory / ".ipynb_checkpoints").mkdir()
+            Image.new("RGB", (4, 4)).save(directory / ".ipynb_checkpoints" / "img_0-checkpoint.png")
+        return root
+
+    def float_image_folder(self, name: str) -> Path:
+        """A 2-class ImageFolder holding one 32-bit float TIFF (mode F), as scientific cameras write."""
+        from PIL import Image
+
+        root = self.images(name)
+        Image.new("F", (14, 10), 0.5).save(root / "class_0" / "scan.tif")
+        return root
+
+    def copied(self, directory: Path, name: str) -> Path:
+        """A private copy of a shared directory (a case that damages it damages only the copy)."""
+        return Path(shutil.copytree(directory, self.tmp / name))
 
     def foreign_checkpoints(self, name: str) -> Path:
         """A directory another program wrote: a ``step-000005/`` with its own ``commit.json``."""
@@ -194,6 +246,7 @@ class Case:
     no_cuda: bool = False  # run as on a machine without CUDA
     real_process: bool = False  # also run as `python -m traincore.<target>`
     works: bool = False  # hostile-looking, yet valid: it must succeed
+    env: tuple[tuple[str, str], ...] = ()  # environment variables set for the case
 
 
 def stage_args(env: Env, source: str, *extra: str, output: str = "staged") -> list[str]:
@@ -257,6 +310,16 @@ CASES = [
     Case("stage-mixed-sizes-are-resized", "stage",
          lambda e: stage_args(e, f"imagefolder:{e.images('mixed', sizes=((14, 10), (40, 31), (9, 23)))}"),
          (), (), works=True),
+    Case("stage-camera-roll-modes-are-converted", "stage",
+         lambda e: stage_args(e, f"imagefolder:{e.awkward_images('awkward')}"), (), (), works=True),
+    Case("stage-dot-files-are-skipped", "stage",
+         lambda e: stage_args(e, f"imagefolder:{e.with_dot_files(e.images('dots'))}"), (), (), works=True),
+    Case("stage-float-image", "stage", lambda e: stage_args(e, f"imagefolder:{e.float_image_folder('sci')}"),
+         ("scan.tif", "32-bit float pixels (mode F)"), ("save it as an 8- or 16-bit PNG or TIFF",)),
+    Case("stage-synthetic-fewer-samples-than-classes", "stage",
+         lambda e: stage_args(e, "synthetic", "--samples", "5", "--classes", "10"),
+         ("data.synthetic_samples=5 (--samples)", "data.synthetic_classes=10 (--classes)"),
+         ("raise --samples to at least the class count", "or lower --classes")),
     Case("stage-unknown-source", "stage", lambda e: stage_args(e, "mnist"),
          ("data.source='mnist'", "is unknown"), ("imagefolder:<path-or-URI>",)),
     Case("stage-image-size-0", "stage", lambda e: [*stage_args(e, "synthetic"), "--image-size", "0"],
@@ -277,7 +340,9 @@ CASES = [
     Case("train-lr-out-of-range", "train", lambda e: train_argv(e, config=tiny(optim={"lr": -1})),
          ("optim.lr=-1",), ("must be in (0, 10)",)),
     Case("train-negative-max-steps", "train", lambda e: [*train_argv(e), "--max-steps", "-1"],
-         ("--max-steps", "train.max_steps=-1"), ("must be an integer >= 0",)),
+         ("--max-steps -1 is invalid",), ("it must be >= 1",)),
+    Case("train-zero-max-steps", "train", lambda e: [*train_argv(e), "--max-steps", "0"],
+         ("--max-steps 0 is invalid",), ("omit it to keep the preset's length",)),
     Case("train-config-file-missing", "train", lambda e: train_argv(e, config=str(e.path("cfg.json"))),
          ("--config", "cfg.json", "cannot read the file"), ("pass an existing .json file",)),
     Case("train-nccl-without-cuda", "train", lambda e: train_argv(e, config=tiny(dist={"backend": "nccl"})),
@@ -287,6 +352,20 @@ CASES = [
          ("checkpoint.mode='async'", "dist.backend='nccl'"), ("set dist.backend to 'auto'",)),
     Case("train-vit-on-12px", "train", lambda e: train_argv(e, config=tiny(model={"name": "vit_b_16"})),
          ("model.name='vit_b_16'", "staged at 12"), ("multiple of 16",)),
+    Case("train-wandb-malformed-key", "train",
+         lambda e: train_argv(e, config=tiny(telemetry={"wandb_mode": "online"})),
+         ("W&B API key in WANDB_API_KEY is malformed", "has 10 characters"),
+         ("https://wandb.ai/authorize", "WANDB_API_KEY_FILE", "wandb_mode='offline'"),
+         env=(("WANDB_API_KEY", "not-a-real-key"),)),
+    Case("train-wandb-key-file-with-quotes", "train",
+         lambda e: (e.file("wandb-key", '"0123456789abcdef0123456789abcdef01234567"\n'),
+                    train_argv(e, config=tiny(telemetry={"wandb_mode": "online"})))[1],
+         ("WANDB_API_KEY_FILE=", "is malformed", "characters other than letters"),
+         ("https://wandb.ai/authorize", "with nothing around it"),
+         env=(("WANDB_API_KEY_FILE", "{tmp}/wandb-key"),)),
+    Case("train-resume-another-datasets-size", "train",
+         lambda e: train_argv(e, "--checkpoint-dir", str(e.run.checkpoints), data=e.more_samples),
+         ("was saved by a run over 384 training samples", "has 96"), ("the dataset that run used", FRESH)),
     Case("train-resume-missing-step", "train", lambda e: train_argv(e, "--resume", "999"),
          ("--resume", "step 999", "no complete checkpoint"), (FRESH,)),
     Case("train-resume-another-model", "train",
@@ -317,6 +396,18 @@ CASES = [
     Case("export-checkpoints-of-another-program", "export",
          lambda e: export_argv(e, e.foreign_checkpoints("theirs")),
          ("theirs/step-000005", MARKER), ("fresh checkpoint root",)),
+    Case("export-output-is-an-existing-file", "export", lambda e: export_argv(e, output=e.file("notes.txt")),
+         ("notes.txt already exists", "not part of an earlier export"), ("or move that file away",)),
+    Case("export-config-would-replace-a-staging-manifest", "export",
+         lambda e: export_argv(e, output=e.copied(e.data, "data") / "manifest.safetensors"),
+         ("JSON config file", "data/manifest.json already exists"), ("export into a directory of its own",)),
+    Case("export-named-lineage", "export", lambda e: export_argv(e, output=e.path("m/lineage.safetensors")),
+         ("its JSON config file and its lineage file would both be", "m/lineage.json"),
+         ("use another name, such as", "m/model.safetensors")),
+    Case("export-beside-another-models-lineage", "export",
+         lambda e: export_argv(e, output=e.copied(e.run.model.parent, "exported") / "second.safetensors"),
+         ("exported/lineage.json already exists", "another model exported into"),
+         ("export into a directory of its own",)),
     Case("export-output-is-a-directory", "export", lambda e: export_argv(e, output=e.file("out/keep").parent),
          ("output", "is a directory"), ("pass a file path such as",)),
     Case("export-output-inside-its-checkpoint", "export",
@@ -373,6 +464,10 @@ CASES = [
          ("input checkpoint_uri=", "is a file, not a directory"), ("set checkpoint_uri to a directory",)),
     Case("plan-checkpoint-uri-read-only", "plan", lambda e: dict(checkpoint_uri=str(e.read_only("ro"))),
          ("input checkpoint_uri=", "is not writable"), ("set checkpoint_uri to a directory you can write",)),
+    Case("plan-synthetic-fewer-samples-than-classes", "plan",
+         lambda e: dict(source="synthetic",
+                        config_overrides='{"data": {"synthetic_samples": 3, "synthetic_classes": 10}}'),
+         ("input source='synthetic'", "data.synthetic_samples=3"), ("raise --samples",)),
     # -- stage_dataset: the staging task -----------------------------------------------------------------
     Case("stage-task-non-image-file", "stage_task",
          lambda e: DataConfig(source=f"imagefolder:{e.images('broken', broken='scan.jpg')}", image_size=12,
@@ -381,7 +476,14 @@ CASES = [
     Case("stage-task-uri-missing", "stage_task",
          lambda e: DataConfig(source="imagefolder:memory://bucket/missing", image_size=12),
          ("memory://bucket/missing", "does not exist"), ("check the path or URI",)),
+    Case("stage-task-synthetic-fewer-samples-than-classes", "stage_task",
+         lambda e: DataConfig(source="synthetic", synthetic_samples=4, synthetic_classes=5, image_size=12),
+         ("data.synthetic_samples=4", "data.synthetic_classes=5"), ("raise --samples",)),
     # -- the train task's execute: checked before any worker starts --------------------------------------
+    Case("train-task-wandb-malformed-key", "train_task",
+         lambda e: (CONFIG.with_overrides({"telemetry.wandb_mode": "online"}), e.data),
+         ("W&B API key in WANDB_API_KEY is malformed",), ("https://wandb.ai/authorize",),
+         env=(("WANDB_API_KEY", "0123456789abcdef0123456789abcdef"),)),
     Case("train-task-not-a-dataset", "train_task", lambda e: (CONFIG, e.file("data/readme.txt").parent),
          ("is not a staged dataset",), ("stage it first",)),
     Case("train-task-batch-larger-than-the-data", "train_task",
@@ -460,6 +562,8 @@ def invoke(case: Case, env: Env, made: Any) -> tuple[int | None, str]:
 def test_bad_input_is_refused_clearly(case: Case, env: Env, capsys, monkeypatch):
     if case.no_cuda:
         monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    for name, value in case.env:
+        monkeypatch.setenv(name, value.format(tmp=env.tmp))
     made = case.make(env)  # the bad input, in place: from here on nothing may look complete that did not
     before = complete_looking(watched(env))
     code, message = invoke(case, env, made)
@@ -496,6 +600,102 @@ def test_refused_export_leaves_its_checkpoint_as_committed(env, capsys):
     assert "is inside the checkpoint" in capsys.readouterr().err
     assert sorted(p.name for p in step.iterdir()) == files
     verify_checkpoint(step)
+
+
+# ---- an s3:// source without credentials: the staging CLI and the stage task, as real processes ---------
+
+@pytest.fixture(scope="module")
+def s3_images() -> Iterator[tuple[str, str]]:
+    """(URI, endpoint): an ImageFolder of 2 classes x 4 PNGs in a bucket of a local S3 API (moto's server,
+    in this process), which the child processes reach over HTTP."""
+    import io
+
+    import boto3
+    from moto.server import ThreadedMotoServer
+    from PIL import Image
+
+    server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
+    server.start()
+    try:
+        host, port = server.get_host_and_port()
+        endpoint = f"http://{host}:{port}"
+        client = boto3.client("s3", endpoint_url=endpoint, region_name="us-east-1",
+                              aws_access_key_id="testing", aws_secret_access_key="testing")  # moto's dummies
+        client.create_bucket(Bucket="photos")
+        for index in range(8):
+            buffer = io.BytesIO()
+            Image.new("RGB", (14, 10), (30 * index, 90, 200)).save(buffer, format="PNG")
+            client.put_object(Bucket="photos", Key=f"set/class_{index % 2}/{index}.png",
+                              Body=buffer.getvalue())
+        yield "s3://photos/set", endpoint
+    finally:
+        server.stop()
+
+
+def store_env(home: Path, **settings: str) -> dict[str, str]:
+    """The environment of a child process with no S3 credentials anywhere (no AWS_* or FLYTE_AWS_*
+    variables, no ~/.aws, no instance metadata), then ``settings``."""
+    env = {name: value for name, value in child_env().items() if not name.startswith(("AWS_", "FLYTE_AWS_"))}
+    missing = str(home / "no-such-file")
+    return {**env, "HOME": str(home), "AWS_SHARED_CREDENTIALS_FILE": missing, "AWS_CONFIG_FILE": missing,
+            "AWS_EC2_METADATA_DISABLED": "true", **settings}
+
+
+CREDENTIALS_NAMED = ("no credentials", "AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_ENDPOINT_URL",
+                     "FLYTE_AWS_ACCESS_KEY_ID", "FLYTE_AWS_ENDPOINT")
+
+
+def test_s3_source_without_credentials_stage_cli(s3_images, tmp_path):
+    """Today's raw NoCredentialsError traceback is one line naming the URI and what to set; with those set,
+    the same command stages (the store was there, only the credentials were missing)."""
+    uri, endpoint = s3_images
+    command = [sys.executable, "-m", "traincore.stage", "--source", f"imagefolder:{uri}", "--output",
+               str(tmp_path / "staged"), "--image-size", "12"]
+    refused = subprocess.run(command, env=store_env(tmp_path, AWS_ENDPOINT_URL=endpoint), capture_output=True,
+                             text=True, timeout=120, cwd=REPO)
+    assert refused.returncode == 2, refused.stderr
+    errors = [line for line in refused.stderr.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and "Traceback" not in refused.stderr, refused.stderr
+    for part in (f"imagefolder location {uri!r}", *CREDENTIALS_NAMED):
+        assert part in errors[0], f"{part!r} not in: {errors[0]}"
+    assert not (tmp_path / "staged").exists()
+    aws = store_env(tmp_path, AWS_ENDPOINT_URL=endpoint, AWS_ACCESS_KEY_ID="testing",
+                    AWS_SECRET_ACCESS_KEY="testing")
+    staged = subprocess.run(command, env=aws, capture_output=True, text=True, timeout=120, cwd=REPO)
+    assert staged.returncode == 0, staged.stderr
+    assert Manifest.load(tmp_path / "staged").classes == ["class_0", "class_1"]
+
+
+STAGE_TASK = """
+import sys
+from tasks.stage import stage_dataset
+from traincore.config import DataConfig
+try:
+    staged = stage_dataset(data=DataConfig(source=sys.argv[1], image_size=12, decode_workers=2),
+                           source_fingerprint="not-fingerprinted")
+except Exception as exc:
+    print("refused:", type(exc).__name__, " ".join(str(exc).split()), file=sys.stderr)
+    sys.exit(3)
+print("staged", sum(staged.counts.values()), "images of", staged.classes)
+"""
+
+
+def test_s3_source_without_credentials_stage_task(s3_images, tmp_path):
+    """The stage task names the URI and the settings, FLYTE_AWS_* among them, and those alone then work:
+    the task reads the source with the store settings Flyte gives its tasks (listing and decode processes)."""
+    uri, endpoint = s3_images
+    command = [sys.executable, "-c", STAGE_TASK, f"imagefolder:{uri}"]
+    refused = subprocess.run(command, env=store_env(tmp_path), capture_output=True, text=True, timeout=180,
+                             cwd=REPO)
+    assert refused.returncode == 3, refused.stderr[-3000:]
+    [message] = [line for line in refused.stderr.splitlines() if line.startswith("refused: StagingError ")]
+    for part in (uri, *CREDENTIALS_NAMED):
+        assert part in message, f"{part!r} not in: {message}"
+    flyte_store = store_env(tmp_path, FLYTE_AWS_ENDPOINT=endpoint, FLYTE_AWS_ACCESS_KEY_ID="testing",
+                            FLYTE_AWS_SECRET_ACCESS_KEY="testing")
+    staged = subprocess.run(command, env=flyte_store, capture_output=True, text=True, timeout=180, cwd=REPO)
+    assert staged.returncode == 0, staged.stderr[-3000:]
+    assert "staged 8 images of ['class_0', 'class_1']" in staged.stdout
 
 
 # ---- real processes: one per CLI, and torchrun with two ranks -------------------------------------------

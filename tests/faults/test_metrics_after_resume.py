@@ -1,5 +1,5 @@
 """metrics.jsonl and TensorBoard after a relaunch: a torchrun tree SIGKILLed after a checkpoint, then run
-again with the same command, reports every step exactly once."""
+again with the same command, reports every step exactly once; a resume that fails writes nothing."""
 
 from __future__ import annotations
 
@@ -9,9 +9,13 @@ import subprocess
 import time
 from pathlib import Path
 
+import pytest
 from faultlib import TINY, child_env, kill_tree, metric_rows, run, torchrun, train_args, wait_for
 
-from traincore.checkpoint.layout import complete_steps
+from traincore.checkpoint.layout import CheckpointError, complete_steps
+from traincore.data.manifest import Manifest
+from traincore.presets import preset
+from traincore.train import Trainer
 
 MAX_STEPS, EVERY = 60, 10
 CONFIG = {**TINY, "telemetry": {**TINY["telemetry"], "tensorboard": True}}
@@ -69,3 +73,39 @@ def test_a_relaunched_run_reports_every_step_once(fault_data, tmp_path):
     events = EventAccumulator(str(output / "tensorboard"))
     events.Reload()
     assert [event.step for event in events.Tensors("train/loss")] == list(range(1, MAX_STEPS + 1))
+
+
+def run_files(output: Path) -> dict[str, bytes]:
+    """Every file of a run directory but its checkpoints, by relative path, with its bytes."""
+    return {str(p.relative_to(output)): p.read_bytes() for p in sorted(output.rglob("*"))
+            if p.is_file() and "checkpoints" not in p.relative_to(output).parts}
+
+
+def test_a_resume_that_fails_writes_no_metrics(fault_data, tmp_path, monkeypatch):
+    """A checkpoint that does not fit the model (width 8 saved, width 16 built) fails the Trainer while it
+    resumes, as in a worker (given the manifest: the launcher ran preflight). metrics.jsonl stays byte for
+    byte as it was, records after the checkpoint and a torn last line included (a premature resume would
+    have dropped them), and no TensorBoard file or W&B run is added; in a new output directory nothing is
+    created. The right model then resumes and reports every step once."""
+    for name in ("WANDB_CONFIG_DIR", "WANDB_CACHE_DIR", "WANDB_DATA_DIR"):
+        monkeypatch.setenv(name, str(tmp_path / "wandb-home"))
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    config = preset("debug").with_overrides(TINY).with_overrides(
+        {"telemetry.tensorboard": True, "telemetry.wandb_mode": "offline", "checkpoint.every": 2})
+    manifest = Manifest.load(fault_data)
+    output = tmp_path / "run"
+    Trainer(config.with_overrides({"train.max_steps": 4}), fault_data, output).train()
+    with open(output / "metrics.jsonl", "a") as metrics:  # a killed later attempt's steps 5-6, torn at 6
+        metrics.write('{"step": 5, "time": 1.0, "kind": "train", "loss": 1.0}\n{"step": 6, "time"')
+    before = run_files(output)
+
+    wider = config.with_overrides({"train.max_steps": 6, "model.width": 16})
+    with pytest.raises(CheckpointError, match="does not fit this run"):
+        Trainer(wider, fault_data, output, manifest=manifest)
+    assert run_files(output) == before
+    with pytest.raises(CheckpointError, match="does not fit this run"):
+        Trainer(wider, fault_data, tmp_path / "new", output / "checkpoints", manifest=manifest)
+    assert run_files(tmp_path / "new") == {}
+
+    Trainer(config.with_overrides({"train.max_steps": 6}), fault_data, output, manifest=manifest).train()
+    assert logged_steps(output) == list(range(1, 7))

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -277,3 +278,51 @@ def test_cli_reports_unwritable_output_with_exit_2(exported, tmp_path, capsys):
     assert main(["--checkpoint", str(tmp_path / "checkpoints"), "--output", str(output)]) == 2
     err = capsys.readouterr().err
     assert err.startswith(f"error: cannot write {tmp_path}/plain/m.safetensors") and "Traceback" not in err
+
+
+def test_exporting_again_to_the_same_output_replaces_that_export(exported, tmp_path):
+    again = export(tmp_path / "checkpoints", exported)
+    assert again.path == str(exported) and load_exported(exported)[1]["sha256"] == again.sha256
+
+
+def files_of(directory: Path) -> dict[str, bytes]:
+    return {p.name: p.read_bytes() for p in sorted(directory.iterdir())}
+
+
+def colliding_output(case: str, target: Path, exported: Path) -> Path:
+    """An output in ``target`` whose weights, config or lineage path holds something else already."""
+    if case == "existing file":
+        (target / "notes.txt").write_text("mine")
+        return target / "notes.txt"
+    if case == "a staging's manifest":
+        (target / "manifest.json").write_text("{}")
+        return target / "manifest.safetensors"
+    if case == "another model's directory":
+        shutil.copytree(exported.parent, target, dirs_exist_ok=True)
+        return target / "other.safetensors"
+    if case == "config is a directory":
+        (target / "m.json").mkdir()
+    elif case == "config is a link to the lineage":
+        (target / "m.json").symlink_to(target / "lineage.json")
+    return target / ("lineage.safetensors" if case == "named lineage" else "m.safetensors")
+
+
+@pytest.mark.parametrize("case, match", [
+    ("existing file", r"notes.txt already exists and is not part of an earlier export to .*notes.txt"),
+    ("a staging's manifest", r"JSON config file .*manifest.json already exists"),
+    ("named lineage", r"its JSON config file and its lineage file would both be .*lineage.json"),
+    ("another model's directory", r"lineage.json already exists and is not the lineage of an earlier export"),
+    ("config is a directory", r"JSON config file .*m.json already exists"),
+    ("config is a link to the lineage", r"JSON config file and its lineage file would both be"),
+])
+def test_an_export_replaces_no_file_but_its_own_earlier_version(exported, tmp_path, case, match):
+    """Each output collides with a file the export also writes; it is refused before anything is written."""
+    target = tmp_path / "target"
+    target.mkdir()
+    output = colliding_output(case, target, exported)
+    before = files_of(target) if all(p.is_file() for p in target.iterdir()) else None
+    with pytest.raises(ExportError, match=match):
+        export(tmp_path / "checkpoints", output)
+    if before is not None:
+        assert files_of(target) == before
+    assert not list(target.glob(".*"))  # no temporary file either

@@ -23,6 +23,7 @@ from collections.abc import Callable
 
 from traincore.config import DataConfig, parse_source
 from traincore.data.imagefolder import ImageListing, list_images
+from traincore.data.sources import check_synthetic
 
 log = logging.getLogger(__name__)
 
@@ -32,14 +33,16 @@ SYNTHETIC_INPUTS = ("seed", "synthetic_samples", "synthetic_classes", "channels"
                     "val_fraction", "test_fraction")
 
 
-def source_fingerprint(cfg: DataConfig, *, progress: Callable[[str], None] = log.info) -> str:
-    """The fingerprint of ``cfg.source`` as it is now; ``progress`` gets the imagefolder listing's lines."""
+def source_fingerprint(cfg: DataConfig, *, progress: Callable[[str], None] = log.info,
+                       storage_options: dict | None = None) -> str:
+    """The fingerprint of ``cfg.source`` as it is now; ``progress`` gets the imagefolder listing's lines,
+    ``storage_options`` go to its fsspec filesystem (credentials, endpoint; by default fsspec's own)."""
     kind, location = parse_source(cfg.source)
     if kind == "digits":
         return digits_fingerprint()
     if kind == "synthetic":
         return synthetic_fingerprint(cfg)
-    return listing_fingerprint(list_images(location, progress=progress))
+    return listing_fingerprint(list_images(location, progress=progress, storage_options=storage_options))
 
 
 @functools.cache
@@ -56,7 +59,9 @@ def digits_fingerprint() -> str:
 
 
 def synthetic_fingerprint(cfg: DataConfig) -> str:
-    """The synthetic source's identity: its generator inputs."""
+    """The synthetic source's identity: its generator inputs (refused here already when they cannot make
+    an image of every class, so a launch plan fails before anything stages)."""
+    check_synthetic(cfg)
     inputs = {name: getattr(cfg, name) for name in SYNTHETIC_INPUTS}
     return _format("synthetic", hashlib.sha256(json.dumps(inputs, sort_keys=True).encode()))
 

@@ -20,6 +20,13 @@ Listing is bounded: past MAX_LISTED_FILES files under the class directories (eve
 not) it stops with a StagingError, so a too-wide prefix fails fast instead of listing a whole bucket; a
 progress line is reported every PROGRESS_EVERY files.
 
+Dot-files and dot-directories (.DS_Store, ._<name>, .ipynb_checkpoints/, .git/) are skipped everywhere: not
+listed, not classes, not in the fingerprint. Every image is converted to 8-bit RGB or greyscale
+(:func:`_convert`: palette, CMYK, alpha and 16-bit images included); 32-bit images are refused, naming the
+file.
+An object store that finds no credentials fails the listing with a StagingError naming the location and the
+settings to make (CREDENTIALS_FIX).
+
 Symlinks (local paths and file:// URIs): a class directory or image may be a link to elsewhere inside the
 source root; an entry whose resolved path leaves the root is refused (StagingError naming the entry and
 its target), never skipped silently, so a tree staged here is exactly the tree that was asked for. A linked
@@ -54,6 +61,11 @@ IN_FLIGHT_BYTES = 4 * CHUNK_BYTES  # decoded pixels submitted ahead of the write
 # about 1.1 GB here; ImageNet-1k's train split (1.28 M images) fits.
 MAX_LISTED_FILES = 2_000_000
 PROGRESS_EVERY = 10_000  # files listed between progress lines
+# What to set when an object store finds no credentials (the message names the location as well).
+CREDENTIALS_FIX = ("for s3://, set AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY (with AWS_ENDPOINT_URL for an "
+                   "S3-compatible store such as MinIO), or AWS_PROFILE with ~/.aws/credentials; the "
+                   "stage_dataset task also takes the store settings Flyte gives its tasks, "
+                   "FLYTE_AWS_ACCESS_KEY_ID, FLYTE_AWS_SECRET_ACCESS_KEY and FLYTE_AWS_ENDPOINT")
 # Listing fields that change when a file's bytes do, most specific first: object stores' ETags and
 # checksums (s3fs, gcsfs, http), then modification times (local, s3fs, gcsfs), then the memory filesystem's
 # creation time (a rewrite there makes a new file).
@@ -79,12 +91,33 @@ class ImageListing(NamedTuple):
 
 
 def list_images(location: str, *, max_files: int = MAX_LISTED_FILES,
-                progress: Callable[[str], None] = log.info) -> ImageListing:
+                progress: Callable[[str], None] = log.info,
+                storage_options: dict | None = None) -> ImageListing:
     """List an ImageFolder tree from fsspec detail listings (no image is opened), with clear errors for
-    bad layouts and a StagingError past ``max_files`` files; ``progress`` gets a line every PROGRESS_EVERY."""
+    bad layouts, missing object-store credentials and a StagingError past ``max_files`` files; ``progress``
+    gets a line every PROGRESS_EVERY. ``storage_options`` go to the fsspec filesystem (credentials,
+    endpoint); by default fsspec's own (for S3: the AWS_* variables, ~/.aws)."""
+    try:
+        return _list_images(location, max_files, progress, storage_options or {})
+    except _missing_credentials() as exc:
+        raise StagingError(f"cannot read imagefolder location {location!r}: no credentials for it were found "
+                           f"({type(exc).__name__}: {exc}): {CREDENTIALS_FIX}") from None
+
+
+def _missing_credentials() -> tuple[type[BaseException], ...]:
+    """The errors an object-store client raises when it finds no credentials at all (botocore, for S3)."""
+    try:
+        from botocore.exceptions import NoCredentialsError, PartialCredentialsError
+    except ImportError:
+        return ()
+    return NoCredentialsError, PartialCredentialsError
+
+
+def _list_images(location: str, max_files: int, progress: Callable[[str], None],
+                 storage_options: dict) -> ImageListing:
     import fsspec
 
-    fs, root = fsspec.core.url_to_fs(location)
+    fs, root = fsspec.core.url_to_fs(location, **storage_options)
     if not fs.exists(root):
         raise StagingError(f"imagefolder location {location!r} does not exist: check the path or URI")
     if not fs.isdir(root):
@@ -92,7 +125,8 @@ def list_images(location: str, *, max_files: int = MAX_LISTED_FILES,
                            "sub-directory per class")
     root = root.rstrip("/")
     contained = _containment(fs, root, location)
-    classes = sorted(os.path.basename(p.rstrip("/")) for p in fs.ls(root, detail=False) if fs.isdir(p))
+    classes = sorted(name for name in (os.path.basename(p.rstrip("/")) for p in fs.ls(root, detail=False)
+                                       if fs.isdir(p)) if not hidden(name))
     base = fs.unstrip_protocol(root)
     files: list[ImageFile] = []
     try:
@@ -127,7 +161,10 @@ def _walk_classes(fs, root: str, classes: list[str], contained: Callable[[str], 
     for label, name in enumerate(classes):
         directory = f"{root}/{name}"
         contained(directory)
-        for _, _, entries in fs.walk(directory, detail=True, on_error="raise"):
+        for _, directories, entries in fs.walk(directory, detail=True, on_error="raise"):
+            for name in [name for name in directories if hidden(name)]:
+                del directories[name]  # fsspec's walk then skips it (.ipynb_checkpoints/, .git/)
+            entries = {name: info for name, info in entries.items() if not hidden(name)}
             before, count = count, count + len(entries)
             if count > max_files:
                 raise StagingError(f"imagefolder location {location!r} holds more than {max_files:,} files "
@@ -138,6 +175,12 @@ def _walk_classes(fs, root: str, classes: list[str], contained: Callable[[str], 
                          f"(class {label + 1} of {len(classes)})")
             for info in entries.values():
                 yield label, info["name"].rstrip("/"), info
+
+
+def hidden(name: str) -> bool:
+    """Dot-files and dot-directories (.DS_Store, macOS's ._<name> AppleDouble files, .ipynb_checkpoints/,
+    .git/) are skipped: they are never images of the dataset, nor classes."""
+    return name.startswith(".")
 
 
 def _version(info: dict) -> str:
@@ -191,15 +234,16 @@ def _containment(fs, root: str, location: str):
     return check
 
 
-def _decode(path: str, size: int, channels: int) -> np.ndarray:
-    """Decode one image, resize its shorter side to ``size``, centre-crop to size x size; CHW uint8."""
+def _decode(path: str, size: int, channels: int, storage_options: dict) -> np.ndarray:
+    """Decode one image (:func:`_convert`), resize its shorter side to ``size``, centre-crop to size x size;
+    CHW uint8."""
     import fsspec
     from PIL import Image, UnidentifiedImageError
 
     try:
-        with fsspec.open(path, "rb") as handle:
+        with fsspec.open(path, "rb", **storage_options) as handle:
             image = Image.open(io.BytesIO(handle.read()))
-            image = image.convert("RGB" if channels == 3 else "L")
+            image = _convert(image, "RGB" if channels == 3 else "L", path)
     except (UnidentifiedImageError, OSError, ValueError) as exc:
         raise StagingError(f"cannot read image {path}: {exc}. Remove or replace the file and stage "
                            "again") from exc
@@ -211,13 +255,38 @@ def _decode(path: str, size: int, channels: int) -> np.ndarray:
     return array[None] if channels == 1 else array.transpose(2, 0, 1)
 
 
-def _decode_chunk(paths: list[str], size: int, channels: int) -> np.ndarray:
-    return np.stack([_decode(p, size, channels) for p in paths])
+def _convert(image, mode: str, path: str):
+    """``image`` in ``mode`` ("RGB" or "L") with 8-bit channels.
+
+    16-bit greyscale (Pillow's I;16 modes) is scaled to 8 bits (Pillow's own conversion would clip every
+    value above 255 to white); 16-bit colour PNGs Pillow already reads as 8-bit RGB(A). Alpha is dropped,
+    keeping the stored colours (as torchvision's loader does); a palette image with a transparent colour goes
+    through RGBA, as Pillow advises. CMYK uses Pillow's conversion (no ICC colour management); a
+    multi-frame image (GIF, TIFF) gives its first frame. 32-bit integer and float images (modes I and F)
+    have no known value range and are refused.
+    """
+    from PIL import Image
+
+    if image.mode.startswith("I;16"):
+        grey = np.asarray(image).astype(np.uint32)
+        image = Image.fromarray(((grey + 128) // 257).astype(np.uint8))  # 0..65535 -> 0..255, rounded
+    elif image.mode in ("I", "F"):
+        raise StagingError(f"image {path} has 32-bit {'integer' if image.mode == 'I' else 'float'} pixels "
+                           f"(mode {image.mode}), whose value range staging cannot know: save it as an 8- or "
+                           "16-bit PNG or TIFF, or remove it, and stage again")
+    elif image.mode == "P" and "transparency" in image.info:
+        image = image.convert("RGBA")
+    return image.convert(mode)
 
 
-def imagefolder_source(listing: ImageListing, cfg: DataConfig) -> Source:
+def _decode_chunk(paths: list[str], size: int, channels: int, storage_options: dict) -> np.ndarray:
+    return np.stack([_decode(p, size, channels, storage_options) for p in paths])
+
+
+def imagefolder_source(listing: ImageListing, cfg: DataConfig, storage_options: dict | None = None) -> Source:
     """Class names, image count and the (split, images, labels) chunk stream for a listed ImageFolder tree;
-    only the listed files are read."""
+    only the listed files are read, through fsspec with ``storage_options`` (as listed)."""
+    options = storage_options or {}
     splits = assign_splits(listing.files, cfg)
     workers = cfg.decode_workers or os.cpu_count() or 1
     per_task = chunk_images(cfg.channels * cfg.image_size ** 2, CHUNK)
@@ -232,7 +301,7 @@ def imagefolder_source(listing: ImageListing, cfg: DataConfig) -> Source:
                 jobs.append((split, [f.path for f in part], labels))
         if workers == 1:
             for split, paths, labels in jobs:
-                yield split, _decode_chunk(paths, cfg.image_size, cfg.channels), labels
+                yield split, _decode_chunk(paths, cfg.image_size, cfg.channels, options), labels
             return
         with ProcessPoolExecutor(max_workers=min(workers, ahead)) as pool:
             # A bounded window of tasks, taken in submission order: the output is deterministic whatever
@@ -242,7 +311,7 @@ def imagefolder_source(listing: ImageListing, cfg: DataConfig) -> Source:
             try:
                 for split, paths, labels in queue:
                     pending.append((split, labels, pool.submit(_decode_chunk, paths, cfg.image_size,
-                                                               cfg.channels)))
+                                                               cfg.channels, options)))
                     if len(pending) >= ahead:
                         break
                 while pending:
@@ -251,7 +320,7 @@ def imagefolder_source(listing: ImageListing, cfg: DataConfig) -> Source:
                     job = next(queue, None)
                     if job is not None:
                         pending.append((job[0], job[2], pool.submit(_decode_chunk, job[1], cfg.image_size,
-                                                                    cfg.channels)))
+                                                                    cfg.channels, options)))
                     yield split, images, labels
             except BrokenProcessPool as exc:
                 raise StagingError(f"a decode process died while staging {cfg.source!r} (killed, most likely "

@@ -41,6 +41,15 @@ def split_counts(total: int, cfg: DataConfig) -> dict[str, int]:
     return {"train": n_train, "val": n_val, "test": n_test}
 
 
+def check_synthetic(cfg: DataConfig) -> None:
+    """Refuse synthetic settings with fewer samples than classes: some classes would have no image at all."""
+    if cfg.synthetic_samples < cfg.synthetic_classes:
+        raise StagingError(f"data.synthetic_samples={cfg.synthetic_samples} (--samples) is fewer than "
+                           f"data.synthetic_classes={cfg.synthetic_classes} (--classes): some classes would "
+                           "have no sample; raise --samples to at least the class count (several times it, "
+                           "for a model to learn anything) or lower --classes")
+
+
 def chunk_images(sample_bytes: int, cap: int) -> int:
     """Images per chunk: at most ``cap`` and at most CHUNK_BYTES of uint8 pixels, but at least one."""
     return max(1, min(cap, CHUNK_BYTES // max(sample_bytes, 1)))
@@ -126,6 +135,7 @@ def synthetic_source(cfg: DataConfig) -> Source:
     Memory is bounded whatever the image size: chunks hold at most CHUNK_BYTES of pixels and the float
     arithmetic runs in bands of BAND values, drawing the noise in the same order as one draw per chunk.
     """
+    check_synthetic(cfg)
     rng = np.random.default_rng(cfg.seed)
     coarse = rng.uniform(0, 255, size=(cfg.synthetic_classes, cfg.channels, 4, 4)).astype(np.float32)
     templates = _Templates(coarse, cfg.image_size)

@@ -45,13 +45,15 @@ from traincore.files import publish_directory, write_durably
 log = logging.getLogger(__name__)
 
 
-def open_source(cfg: DataConfig, progress: Callable[[str], None] = log.info) -> tuple[Source, str]:
+def open_source(cfg: DataConfig, progress: Callable[[str], None] = log.info,
+                storage_options: dict | None = None) -> tuple[Source, str]:
     """The source of ``cfg.source`` (class names, sample count, chunk stream) and the fingerprint of exactly
-    what it will stage: an imagefolder is listed once, and only the listed files are read."""
+    what it will stage: an imagefolder is listed once, and only the listed files are read, through fsspec
+    with ``storage_options`` (credentials, endpoint; by default fsspec's own)."""
     kind, location = parse_source(cfg.source)
     if kind == "imagefolder":
-        listing = list_images(location, progress=progress)
-        return imagefolder_source(listing, cfg), listing_fingerprint(listing)
+        listing = list_images(location, progress=progress, storage_options=storage_options)
+        return imagefolder_source(listing, cfg, storage_options), listing_fingerprint(listing)
     source = digits_source(cfg) if kind == "digits" else synthetic_source(cfg)
     return source, source_fingerprint(cfg)
 
@@ -159,7 +161,7 @@ def _write_all(tmp: Path, cfg: DataConfig, source: Source, fingerprint: str) -> 
 
 
 def stage(cfg: DataConfig, output: str | Path, overwrite: bool = False, *, replace_unusable: bool = False,
-          progress: Callable[[str], None] = log.info) -> Manifest:
+          progress: Callable[[str], None] = log.info, storage_options: dict | None = None) -> Manifest:
     """Stage ``cfg.source`` into ``output`` atomically and return its manifest.
 
     An existing complete staging of the same settings and source fingerprint is verified and reused; if
@@ -167,10 +169,11 @@ def stage(cfg: DataConfig, output: str | Path, overwrite: bool = False, *, repla
     the file); one of an earlier state of the source (another fingerprint) is staged again in its place.
     Anything else already at ``output`` is an error unless ``overwrite`` is set, or ``replace_unusable``
     (for callers that own ``output``, such as the stage task's cache directory): then an unreadable or
-    different staging there is replaced. ``progress`` gets the imagefolder listing's progress lines.
+    different staging there is replaced. ``progress`` gets the imagefolder listing's progress lines;
+    ``storage_options`` are the fsspec options an imagefolder is read with (see :func:`open_source`).
     """
     output = Path(output)
-    source, fingerprint = open_source(cfg, progress)
+    source, fingerprint = open_source(cfg, progress, storage_options)
     if output.exists() and not overwrite:
         existing = _reusable(output, cfg, fingerprint, replace_unusable)
         if existing is not None:

@@ -6,8 +6,12 @@ opens the set a :class:`~traincore.config.TelemetryConfig` asks for.
 Resuming: an attempt killed after its last checkpoint (step S) had already logged steps S+1..K, and the
 resumed attempt trains and logs them again. ``resumed_at(S)`` (called by Telemetry once the checkpoint is
 loaded, with S=0 for a fresh start) makes every step appear once: JSONL drops its records of steps > S,
-TensorBoard opens its writer with ``purge_step=S+1`` so readers hide the orphaned events, and W&B needs
-nothing (every attempt is a run of its own).
+TensorBoard opens its writer with ``purge_step=S+1`` so readers hide the orphaned events, and W&B starts
+the attempt's run (every attempt is a run of its own).
+
+Nothing is written before that call or the first record: metrics.jsonl is opened, the TensorBoard writer
+and the W&B run are started only then, so a run whose resume fails (a checkpoint that does not fit) leaves
+the output as it found it.
 
 TensorBoard's event files are written by ``torch.utils.tensorboard.SummaryWriter``, whose format and purge
 handling tensorboard maintains. What it costs, measured on a 2-core CPU machine:
@@ -31,9 +35,10 @@ from __future__ import annotations
 import gc
 import json
 import os
+import re
 import time
 from pathlib import Path
-from typing import BinaryIO, Protocol
+from typing import BinaryIO, Protocol, TextIO
 
 from traincore.config import TelemetryConfig
 from traincore.files import publish, temporary_sibling
@@ -50,19 +55,26 @@ class MetricSink(Protocol):
 
 
 class JsonlSink:
-    """``<output>/metrics.jsonl``: one JSON object per line, flushed at once so a crash loses nothing."""
+    """``<output>/metrics.jsonl``: one JSON object per line, flushed at once so a crash loses nothing.
+
+    The file is opened (created, or appended to: a resumed run continues it) at the first record, not
+    here: a run that fails before it knows where it starts (a checkpoint that does not fit) leaves the file
+    as it was, or absent.
+    """
 
     RESERVED = ("step", "time", "kind")
 
     def __init__(self, output_dir: str | Path) -> None:
         self.path = Path(output_dir) / "metrics.jsonl"
-        self._file = open(self.path, "a", encoding="utf-8")  # append: a resumed run continues the file
+        self._file: TextIO | None = None
 
     def log(self, step: int, metrics: dict[str, float], kind: str = "train") -> None:
         """Append one record ``{"step", "time", "kind", **metrics}``."""
         clash = [name for name in self.RESERVED if name in metrics]
         if clash:
             raise ValueError(f"metric names {clash} are reserved in metrics.jsonl; rename them")
+        if self._file is None:
+            self._file = open(self.path, "a", encoding="utf-8")
         record = {"step": step, "time": time.time(), "kind": kind, **metrics}
         self._file.write(json.dumps(record) + "\n")
         self._file.flush()
@@ -74,8 +86,12 @@ class JsonlSink:
         renamed over it), so a crash during the rewrite leaves either the old file or the new one. The lines
         before the first dropped one are copied as they are, without parsing them twice.
         """
-        self._file.close()
-        with open(self.path, "rb") as old:
+        self.close()
+        try:
+            old = open(self.path, "rb")
+        except FileNotFoundError:  # the first attempt in this directory: nothing to drop
+            return
+        with old:
             kept_bytes = 0
             for line in old:
                 if not (line.endswith(b"\n") and _keeps(line, step)):
@@ -86,11 +102,12 @@ class JsonlSink:
             if kept_bytes is not None:
                 old.seek(0)
                 _replace_atomically(self.path, old, kept_bytes, step)
-        self._file = open(self.path, "a", encoding="utf-8")
 
     def close(self) -> None:
-        """Close the file (idempotent)."""
-        self._file.close()
+        """Close the file, if it was opened (idempotent)."""
+        if self._file is not None:
+            self._file.close()
+            self._file = None
 
 
 class TensorBoardSink:
@@ -153,8 +170,8 @@ class TensorBoardSink:
 def resolve_wandb_key(mode: str) -> str | None:
     """The W&B API key for ``mode``: from WANDB_API_KEY or the file named by WANDB_API_KEY_FILE.
 
-    Only "online" needs one; it raises ValueError without one, so the run fails before training.
-    The key itself never appears in a message.
+    Only "online" needs one; it raises ValueError without one or with one that is malformed
+    (:func:`wandb_key_problem`), so the run fails before training. The key never appears in a message.
     """
     if mode != "online":
         return None
@@ -170,39 +187,81 @@ def resolve_wandb_key(mode: str) -> str | None:
         raise ValueError("telemetry.wandb_mode='online' needs a W&B API key: set WANDB_API_KEY or "
                          "WANDB_API_KEY_FILE (a mounted secret file), or use wandb_mode='offline' "
                          "(no network, sync later) or 'disabled'")
+    problem = wandb_key_problem(key)
+    if problem:
+        where = "WANDB_API_KEY" if os.environ.get("WANDB_API_KEY", "").strip() else (
+            f"the file WANDB_API_KEY_FILE={key_file!r} names")
+        raise ValueError(f"the W&B API key in {where} is malformed: {problem}. Copy the key again from "
+                         "https://wandb.ai/authorize (a local server's key starts with 'local-') into "
+                         "WANDB_API_KEY or the file WANDB_API_KEY_FILE names, with nothing around it; or use "
+                         "telemetry.wandb_mode='offline' or 'disabled'")
     return key
 
 
+# The shape of a W&B API key, as wandb itself checks it before any request (wandb 0.31.0,
+# wandb/sdk/lib/wbauth/validation.py, check_api_key): a JWT (three base64url parts joined by dots), or an
+# optional "<prefix>-" (keys of on-prem and local servers, e.g. "local-...") before a secret of at least 40
+# letters, digits, underscores or dashes (cloud keys are 40 hex digits).
+_WANDB_JWT = re.compile(r"[\w-]+\.[\w-]+\.[\w-]+")
+_WANDB_SECRET = re.compile(r"[\w-]+")
+WANDB_SECRET_MIN = 40
+
+
+def wandb_key_problem(key: str) -> str | None:
+    """What makes ``key`` no W&B API key by wandb's own format rule (above), or None; checked without any
+    network, and the text never contains the key."""
+    if _WANDB_JWT.fullmatch(key):
+        return None
+    secret = key.split("-", 1)[-1]  # wandb splits at the first dash, too
+    if not _WANDB_SECRET.fullmatch(secret):
+        return "it holds characters other than letters, digits, underscores and dashes (quotes, spaces?)"
+    if len(secret) < WANDB_SECRET_MIN:
+        return f"its secret part has {len(secret)} characters, a W&B key's has at least {WANDB_SECRET_MIN}"
+    return None
+
+
 class WandbSink:
-    """A Weights & Biases run under ``<output>/wandb``; "offline" needs neither network nor key."""
+    """A Weights & Biases run under ``<output>/wandb``; "offline" needs neither network nor key.
+
+    The key is checked here (:func:`resolve_wandb_key`); the W&B run starts at ``resumed_at`` (or the first
+    ``log``), so a run that fails before it knows where it starts (a checkpoint that does not fit) adds no
+    run to the project.
+    """
 
     def __init__(self, output_dir: str | Path, cfg: TelemetryConfig, run_config: dict) -> None:
+        self._output_dir, self._cfg, self._run_config = str(output_dir), cfg, run_config
+        self._key = resolve_wandb_key(cfg.wandb_mode)
+        self._run = None
+
+    def _start(self):
         import wandb
 
-        key = resolve_wandb_key(cfg.wandb_mode)
-        if cfg.wandb_mode == "offline":
+        if self._cfg.wandb_mode == "offline":
             # wandb's process-wide analytics follow the global settings, not the run's mode: without
             # this, an offline run still probes the W&B server over the network.
             wandb.setup(wandb.Settings(mode="offline"))
         # The key goes through Settings, never the environment or the run config, so it is not
         # inherited by child processes or stored with the run.
-        settings = wandb.Settings(api_key=key) if key else None
-        self._run = wandb.init(mode=cfg.wandb_mode, dir=str(output_dir), project=cfg.wandb_project,
-                               config=run_config, settings=settings)
-        self._closed = False
+        settings = wandb.Settings(api_key=self._key) if self._key else None
+        return wandb.init(mode=self._cfg.wandb_mode, dir=self._output_dir, project=self._cfg.wandb_project,
+                          config=self._run_config, settings=settings)
 
     def log(self, step: int, metrics: dict[str, float], kind: str = "train") -> None:
         """Log ``kind/name`` scalars at ``step``."""
+        if self._run is None:
+            self._run = self._start()
         self._run.log({f"{kind}/{name}": value for name, value in metrics.items()}, step=step)
 
     def resumed_at(self, step: int) -> None:
-        """Nothing to drop: every attempt logs to a W&B run of its own, starting after ``step``."""
+        """Start the W&B run (nothing to drop: every attempt logs to a run of its own, from ``step`` on)."""
+        if self._run is None:
+            self._run = self._start()
 
     def close(self) -> None:
-        """Finish the run (idempotent)."""
-        if not self._closed:
-            self._closed = True
-            self._run.finish()
+        """Finish the run, if it started (idempotent)."""
+        run, self._run = self._run, None
+        if run is not None:
+            run.finish()
 
 
 def _keeps(line: bytes, step: int) -> bool:

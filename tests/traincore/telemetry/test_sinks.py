@@ -15,9 +15,16 @@ from pathlib import Path
 import pytest
 
 from traincore.config import ConfigError, TelemetryConfig
-from traincore.telemetry.sinks import JsonlSink, TensorBoardSink, build_sinks, resolve_wandb_key
+from traincore.telemetry.sinks import (
+    JsonlSink,
+    TensorBoardSink,
+    WandbSink,
+    build_sinks,
+    resolve_wandb_key,
+    wandb_key_problem,
+)
 
-SECRET = "k3y-0123456789abcdef0123456789abcdef"
+SECRET = "local-0123456789abcdef0123456789abcdef01234567"  # a well-formed key of a local W&B server
 
 
 @pytest.fixture(autouse=True)
@@ -58,7 +65,7 @@ def test_jsonl_rejects_reserved_metric_names(tmp_path):
     with pytest.raises(ValueError, match=r"\['step'\] are reserved"):
         sink.log(1, {"step": 3.0})
     sink.close()
-    assert (tmp_path / "metrics.jsonl").read_text() == ""
+    assert not (tmp_path / "metrics.jsonl").exists()  # opened at the first record, and none was written
 
 
 def test_wandb_offline_writes_a_run_and_never_the_key(tmp_path, monkeypatch, caplog):
@@ -78,6 +85,39 @@ def test_wandb_key_file_must_be_readable(tmp_path, monkeypatch):
     with pytest.raises(ValueError, match="WANDB_API_KEY_FILE=.*missing.* cannot be read"):
         resolve_wandb_key("online")
     assert resolve_wandb_key("offline") is None and resolve_wandb_key("disabled") is None
+
+
+# Keys of every shape wandb's own check (wandb.sdk.lib.wbauth.validation.check_api_key) tells apart.
+KEYS = ["0123456789abcdef0123456789abcdef01234567", "local-0123456789abcdef0123456789abcdef01234567",
+        "0123456789abcdef0123456789abcdef0123456", "local-0123456789abcdef", "not-a-real-key",
+        '"0123456789abcdef0123456789abcdef01234567"', "0123456789abcdef0123456789 abcdef01234567",
+        "WANDB_API_KEY=0123456789abcdef0123456789abcdef01234567", "aaa.bbb.ccc", "aaa.bbb", "x" * 80,
+        "on-prem-" + "a" * 40, "é" * 40]
+
+
+@pytest.mark.parametrize("key", KEYS)
+def test_the_key_shape_rule_is_wandbs_own(key):
+    """Our offline check accepts exactly the keys the installed wandb accepts (so it fails when a wandb
+    upgrade changes the rule)."""
+    from wandb.sdk.lib.wbauth.validation import check_api_key
+
+    assert (wandb_key_problem(key) is None) == (check_api_key(key) is None), key
+
+
+@pytest.mark.parametrize("source", ["env", "file"])
+@pytest.mark.parametrize("key", ["not-a-real-key", "0123456789abcdef0123456789abcdef 01234567"])
+def test_a_malformed_key_is_refused_without_showing_it(tmp_path, monkeypatch, source, key):
+    if source == "env":
+        monkeypatch.setenv("WANDB_API_KEY", key)
+    else:
+        (tmp_path / "secret").write_text(key + "\n")
+        monkeypatch.setenv("WANDB_API_KEY_FILE", str(tmp_path / "secret"))
+    with pytest.raises(ValueError) as info:
+        resolve_wandb_key("online")
+    message = str(info.value)
+    assert "is malformed" in message and "https://wandb.ai/authorize" in message
+    assert ("in WANDB_API_KEY " if source == "env" else "WANDB_API_KEY_FILE=") in message
+    assert key not in message and key.split("-", 1)[-1] not in message
 
 
 class FakeRun:
@@ -108,6 +148,39 @@ def test_wandb_online_key_from_secret_file_reaches_wandb_only(tmp_path, monkeypa
     assert run.logged[2] == (2, {"eval/accuracy": 1.0}) and run.finished == 1
     assert os.environ.get("WANDB_API_KEY") is None
     assert SECRET not in caplog.text and SECRET not in (output / "metrics.jsonl").read_text()
+
+
+def test_no_sink_writes_anything_before_the_run_knows_where_it_starts(tmp_path, monkeypatch):
+    """Built and closed without a record or a resumed_at (a resume that failed): no file, no W&B run."""
+    import wandb
+
+    started = []
+    monkeypatch.setattr(wandb, "init", lambda **kwargs: started.append(kwargs) or FakeRun())
+    monkeypatch.setenv("WANDB_API_KEY", SECRET)
+    (tmp_path / "metrics.jsonl").write_bytes(b'{"step": 9, "time": 0, "kind": "train"}\n{"step": 1')
+    before = (tmp_path / "metrics.jsonl").stat()
+    for sink in build_sinks(TelemetryConfig(tensorboard=True, wandb_mode="online"), tmp_path, run_config={}):
+        sink.close()
+    assert started == [] and sorted(p.name for p in tmp_path.iterdir()) == ["metrics.jsonl"]
+    after = (tmp_path / "metrics.jsonl").stat()
+    assert (after.st_ino, after.st_size, after.st_mtime_ns) == (before.st_ino, before.st_size,
+                                                                before.st_mtime_ns)
+
+
+def test_wandb_starts_its_run_at_resumed_at(tmp_path, monkeypatch):
+    import wandb
+
+    run = FakeRun()
+    monkeypatch.setattr(wandb, "init", lambda **kwargs: run)
+    monkeypatch.setenv("WANDB_API_KEY", SECRET)
+    sink = WandbSink(tmp_path, TelemetryConfig(wandb_mode="online"), run_config={})
+    assert sink._run is None
+    sink.resumed_at(3)
+    assert sink._run is run
+    sink.log(4, {"loss": 1.0})
+    sink.close()
+    sink.close()
+    assert run.logged == [(4, {"train/loss": 1.0})] and run.finished == 1
 
 
 def test_failed_wandb_start_closes_the_sinks_already_open(tmp_path, monkeypatch):
