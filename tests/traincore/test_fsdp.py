@@ -124,9 +124,10 @@ def test_a_killed_fsdp_run_resumes_to_the_weights_of_an_uninterrupted_one(data_d
 def test_the_export_of_a_sharded_checkpoint_equals_that_of_the_same_state_saved_whole(saved, tmp_path):
     """dcp (every rank wrote its shards) and sync (rank 0 wrote the gathered state) of the same run: one
     plain process, no process group, turns either into the same safetensors file."""
-    export(saved("fsdp-dcp-2"), tmp_path / "dcp.safetensors")
-    export(saved("fsdp-sync-2"), tmp_path / "sync.safetensors")
-    sharded, whole = load_file(tmp_path / "dcp.safetensors"), load_file(tmp_path / "sync.safetensors")
+    export(saved("fsdp-dcp-2"), tmp_path / "dcp" / "model.safetensors")  # an export directory each: its
+    export(saved("fsdp-sync-2"), tmp_path / "sync" / "model.safetensors")  # lineage.json is per directory
+    sharded = load_file(tmp_path / "dcp" / "model.safetensors")
+    whole = load_file(tmp_path / "sync" / "model.safetensors")
     assert sharded.keys() == whole.keys() and len(sharded) > 4
     assert all(torch.equal(sharded[name], whole[name]) for name in sharded)
 
