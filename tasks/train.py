@@ -12,8 +12,8 @@ import functools
 import hashlib
 import json
 import os
-import signal
 import sys
+import tempfile
 from collections.abc import Callable
 from dataclasses import asdict
 from pathlib import Path
@@ -32,6 +32,7 @@ from flytekitplugins.kfpytorch.task import PytorchElasticFunctionTask
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 from torch.distributed.elastic.rendezvous.api import RendezvousError
 
+from tasks.failures import STDERR_DIR_ENV, captured_stderr, first_failure, vanished_workers
 from tasks.mirror import local_checkpoint_root, synced_checkpoints
 from tasks.rendezvous import rendezvous_failure
 from tasks.storage import is_uri, local_directory
@@ -47,12 +48,6 @@ from traincore.train import Trainer
 WANDB_SECRET = Secret(group="wandb", key="api_key", mount_requirement=Secret.MountType.FILE)
 CPU_PER_PROCESS, MEM_GIB_PER_PROCESS = 2, 6
 TRAIN_RETRIES = 3  # recoverable faults only (rendezvous timeouts, lost peers); user errors fail at once
-# Signals that end a worker from outside, so the worker leaves no error file: the OOM killer or a lost node
-# (SIGKILL), eviction or preemption (SIGTERM, SIGINT, SIGHUP), a write to a vanished peer (SIGPIPE), NCCL's
-# watchdog aborting a collective that a lost peer never joined (SIGABRT). A worker's own crash (SIGSEGV,
-# SIGBUS, SIGILL, SIGFPE) is not among them: it stays a user error.
-VANISHED_SIGNALS = frozenset({signal.SIGKILL, signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGPIPE,
-                              signal.SIGABRT})
 
 
 def train_model(config: Config, dataset: StagedDataset, checkpoint_root: str) -> TrainResult:
@@ -61,8 +56,9 @@ def train_model(config: Config, dataset: StagedDataset, checkpoint_root: str) ->
     if "LOCAL_WORLD_SIZE" in os.environ:  # an elastic worker, maybe forked from the task's process
         settle_worker(worker_threads(int(os.environ["LOCAL_WORLD_SIZE"])))
     try:
-        summary = Trainer(config, local_directory(dataset.directory), output,
-                          local_checkpoint_root(checkpoint_root), started_at=process_start_time()).train()
+        with captured_stderr(int(os.environ.get("RANK", "0"))):
+            summary = Trainer(config, local_directory(dataset.directory), output,
+                              local_checkpoint_root(checkpoint_root), started_at=process_start_time()).train()
     except dist.DistError as exc:  # a peer vanished or the store timed out: infrastructure, worth a retry
         raise FlyteRecoverableException(f"distributed training failed transiently: {exc}") from exc
     except Preempted as exc:  # the step reached is saved: a retry resumes from it, losing nothing
@@ -83,21 +79,6 @@ def stop_preempted(preempted: Preempted, checkpoint_root: str) -> NoReturn:
     advice = f"to resume, run the same pyflyte command with --checkpoint_uri {checkpoint_root}"
     print(preempted.headline, advice, sep="\n", file=sys.stderr, flush=True)
     raise SystemExit(PREEMPTED_EXIT_CODE)
-
-
-def vanished_workers(error: ChildFailedError) -> list[str]:
-    """The failed workers that a signal from outside ended before they could report an error.
-
-    flytekitplugins-kfpytorch 1.16 calls a worker's failure recoverable only when the worker itself raised
-    FlyteRecoverableException (it leaves a marker file next to its torch-elastic error file); a worker killed
-    by a signal writes neither file, so a vanished peer would fail the task as a user error, without retries.
-    """
-    vanished = []
-    for rank, failure in sorted(error.failures.items()):
-        if failure.exitcode < 0 and -failure.exitcode in VANISHED_SIGNALS and not os.path.isfile(
-                failure.error_file):
-            vanished.append(f"rank {rank} ({failure.signal_name()}, pid {failure.pid})")
-    return vanished
 
 
 def _use_wandb_secret(config: Config) -> None:
@@ -154,6 +135,10 @@ class TopologyTaskMixin:
         return self.task_function.__module__
 
 
+class WorkerGroupFailed(RuntimeError):
+    """Training workers failed: the first failure, its stderr's last lines, then torch elastic's report."""
+
+
 class ElasticTrainTask(TopologyTaskMixin, PytorchElasticFunctionTask):
     """The Elastic task plus what must happen once per node, around the worker processes."""
 
@@ -194,17 +179,25 @@ class ElasticTrainTask(TopologyTaskMixin, PytorchElasticFunctionTask):
             # Nothing to rendezvous or restart: a spawned worker would only import torch (and all the rest)
             # a second time. Errors keep their classes: train_model raises what a worker would.
             return self.task_function(**kwargs)
+        stderr_dir = tempfile.mkdtemp(prefix="worker-stderr-",
+                                      dir=flytekit.current_context().working_directory)
+        os.environ[STDERR_DIR_ENV] = stderr_dir  # the workers inherit it (forked or spawned)
         try:
             return super().execute(**kwargs)
         except RendezvousError as exc:  # not every node came up in time: a retry may find them
             raise FlyteRecoverableException(self._rendezvous_failure(exc)) from exc
         except FlyteUserRuntimeException as exc:  # the plugin's verdict on a failed worker group
-            vanished = vanished_workers(exc.value) if isinstance(exc.value, ChildFailedError) else []
+            if not isinstance(exc.value, ChildFailedError):
+                raise
+            failed = first_failure(exc.value, stderr_dir)
+            vanished = vanished_workers(exc.value)
             if vanished:  # infrastructure, not the user's code: Flyte's retries apply
                 raise FlyteRecoverableException(
                     f"worker {', '.join(vanished)} was killed by a signal from outside (node lost, OOM "
-                    f"killer, eviction); a retry resumes from the checkpoint root:\n{exc}") from exc
-            raise
+                    f"killer, eviction); a retry resumes from the checkpoint root. {failed}\n{exc}") from exc
+            raise FlyteUserRuntimeException(WorkerGroupFailed(f"{failed}\n{exc.value}")) from exc
+        finally:
+            os.environ.pop(STDERR_DIR_ENV, None)
 
     @property
     def single_process(self) -> bool:

@@ -18,9 +18,10 @@ from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, P
 from torch.distributed.elastic.rendezvous.api import RendezvousTimeoutError
 
 import tasks.train as train_module
+from tasks.failures import vanished_workers
 from tasks.launch import train_task, train_task_for
 from tasks.slurm.connector import SLURM_TASK_TYPE
-from tasks.train import ElasticTrainTask, vanished_workers
+from tasks.train import ElasticTrainTask
 from tasks.types import SlurmSettings, StagedDataset, Topology
 from traincore.config import ConfigError
 from traincore.data.manifest import Manifest
@@ -154,7 +155,7 @@ def test_mounted_wandb_secret_reaches_validation_and_workers(tmp_path, monkeypat
 
     secret = tmp_path / WANDB_SECRET.group / WANDB_SECRET.key
     secret.parent.mkdir()
-    secret.write_text("k3y-from-the-mounted-secret\n")
+    secret.write_text("k3y-from-the-mounted-secret-0123456789abcdefghijklmnopqrstuvwxyz\n")
     # Where Flyte mounts file secrets in a pod (FLYTE_SECRETS_DEFAULT_DIR, read once at start-up).
     monkeypatch.setattr(flytekit.current_context().secrets, "_base_dir", str(tmp_path))
     monkeypatch.delenv("WANDB_API_KEY", raising=False)
@@ -162,7 +163,7 @@ def test_mounted_wandb_secret_reaches_validation_and_workers(tmp_path, monkeypat
     with pytest.raises(ValueError, match="needs a W&B API key"):
         resolve_wandb_key("online")
     _use_wandb_secret(preset("digits").with_overrides({"telemetry.wandb_mode": "online"}))
-    assert resolve_wandb_key("online") == "k3y-from-the-mounted-secret"
+    assert resolve_wandb_key("online") == "k3y-from-the-mounted-secret-0123456789abcdefghijklmnopqrstuvwxyz"
 
 
 def group_failure(exitcode: int, error_file: str = "<N/A>") -> ChildFailedError:
@@ -213,6 +214,7 @@ def test_crashed_worker_stays_a_user_error(monkeypatch, dataset, tmp_path):
     with pytest.raises(FlyteUserRuntimeException) as caught:
         train_task.execute(config=preset("debug"), dataset=dataset, checkpoint_root=str(tmp_path))
     assert not isinstance(caught.value, FlyteRecoverableException)
+    assert str(caught.value.value).startswith("rank 1 failed first (killed by SIGSEGV, pid 4242)")
 
 
 def test_one_process_trains_in_the_task_process_and_more_launch_workers(monkeypatch, dataset, tmp_path):
