@@ -7,9 +7,7 @@ rendezvous timeout).
 
 from __future__ import annotations
 
-import asyncio
 import shlex
-import socket
 import sys
 from dataclasses import replace
 from typing import Any, NamedTuple
@@ -20,10 +18,8 @@ from flytekit import task
 from flytekit.core.context_manager import FlyteContextManager
 
 from tasks.backends import BACKENDS, SLURM_BACKEND
-from tasks.slurm.client import SlurmClient
-from tasks.slurm.ssh import SlurmTarget, host_alias_known
-from tasks.slurm.states import SlurmError
-from tasks.storage import is_uri, local_path
+from tasks.slurm.ssh import SlurmTarget
+from tasks.storage import is_uri, local_path, source_storage_options
 from tasks.types import SlurmSettings, Topology
 from traincore.config import Config, ConfigError, DataConfig, parse_source
 from traincore.data.fingerprint import source_fingerprint
@@ -183,19 +179,18 @@ def fingerprint_source(data: DataConfig) -> str:
     staged again. An imagefolder is listed here (never opened), with progress lines, so a bad tree fails
     the plan, naming the input, before anything stages."""
     try:
-        return source_fingerprint(data, progress=lambda line: print(f"plan: {line}", flush=True))
+        return source_fingerprint(data, progress=lambda line: print(f"plan: {line}", flush=True),
+                                  storage_options=source_storage_options(data.source))
     except StagingError as exc:
         raise LaunchInputError(f"input source={data.source!r}: {exc}") from exc
 
 
-SLURM_PROBE_TIMEOUT_S = 20.0  # connect and each command: a wrong host or port fails the plan, not a hang
-SLURM_COMMANDS = ("sbatch", "srun", "scontrol", "scancel", "sinfo")
-
-
 def check_slurm(topology: Topology, local_run: bool) -> Topology:
-    """Slurm inputs: only with backend='slurm', a target that is known and answers, the Slurm commands
-    there, and a partition with at least ``nnodes`` nodes. A local run's job activates this run's Python
-    environment unless ``slurm_setup`` says otherwise (the loopback cluster shares this filesystem)."""
+    """Slurm inputs, as given: only with backend='slurm', a target that can be an ssh Host alias or a host
+    name, sbatch flags in shell syntax. Nothing is contacted here: a cluster's plan pod need not reach the
+    login node, so the connector checks the cluster (reachable, its Slurm commands, the partition's size) at
+    submission. A local run's job activates this run's Python environment unless ``slurm_setup`` says
+    otherwise (the loopback cluster shares this filesystem)."""
     slurm = topology.slurm
     if topology.backend != SLURM_BACKEND:
         if slurm != SlurmSettings():
@@ -207,48 +202,17 @@ def check_slurm(topology: Topology, local_run: bool) -> Topology:
                                "~/.ssh/config) or hostname of the cluster's login node, e.g. slurm-loopback "
                                "after `scripts/slurm-loopback up`")
     try:
-        shlex.split(slurm.sbatch_flags)
-        target = SlurmTarget(host=slurm.target, connect_timeout_s=SLURM_PROBE_TIMEOUT_S,
-                             command_timeout_s=SLURM_PROBE_TIMEOUT_S)
+        SlurmTarget(host=slurm.target)
     except ValueError as exc:
-        raise LaunchInputError(f"input slurm_target or slurm_sbatch_flags: {exc}") from exc
-    try:
-        reachable = host_alias_known(slurm.target) or _resolvable(slurm.target)
-    except SlurmError as exc:  # an ~/.ssh/config that asyncssh cannot parse: its message names the line
         raise LaunchInputError(f"input slurm_target={slurm.target!r}: {exc}") from exc
-    if not reachable:
-        raise LaunchInputError(f"input slurm_target={slurm.target!r} is neither a Host alias in "
-                               "~/.ssh/config nor a resolvable hostname: add a Host entry (HostName, Port, "
-                               "User, IdentityFile) or fix the name")
-    nodes = asyncio.run(_probe_slurm(target, slurm.partition))
-    if topology.nnodes > nodes:
-        where = f"partition {slurm.partition!r}" if slurm.partition else "the default partition"
-        raise LaunchInputError(f"input nnodes={topology.nnodes} exceeds the {nodes} node(s) of {where} on "
-                               f"{slurm.target}: lower nnodes or choose a larger slurm_partition")
+    try:
+        shlex.split(slurm.sbatch_flags)
+    except ValueError as exc:
+        raise LaunchInputError(f"input slurm_sbatch_flags={slurm.sbatch_flags!r} is not valid shell syntax "
+                               f"({exc}): quote or escape it, e.g. '--comment=\"two words\"'") from exc
     if not slurm.setup and local_run and sys.prefix != sys.base_prefix:
         slurm = replace(slurm, setup=f"source {shlex.quote(sys.prefix)}/bin/activate")
     return replace(topology, slurm=slurm)
-
-
-def _resolvable(host: str) -> bool:
-    try:
-        socket.getaddrinfo(host, None)
-    except OSError:
-        return False
-    return True
-
-
-async def _probe_slurm(target: SlurmTarget, partition: str) -> int:
-    """Connect (host key verified), check the Slurm commands exist and count the partition's nodes."""
-    try:
-        async with SlurmClient(target) as client:
-            missing = await client.missing_commands(SLURM_COMMANDS)
-            if missing:
-                raise LaunchInputError(f"input slurm_target={target.host!r}: the login node has no "
-                                       f"{', '.join(missing)} on its PATH: is it a Slurm login node?")
-            return await client.partition_nodes(partition or None)
-    except SlurmError as exc:  # connection problems included: their messages name the fix
-        raise LaunchInputError(f"input slurm_target={target.host!r}: {exc}") from exc
 
 
 class RunPlan(NamedTuple):
@@ -278,7 +242,7 @@ def plan_run(source: str, preset: str, config_overrides: str, epochs: int, max_s
     check_backend(cfg, topology, local_run)
     check_model(cfg)
     check_checkpoint_uri(checkpoint_uri, local_run)  # it may create the directory
-    topology = check_slurm(topology, local_run)  # it contacts the cluster
+    topology = check_slurm(topology, local_run)
     fingerprint = fingerprint_source(cfg.data)  # last: a large remote folder takes longest
     length = f"{cfg.train.max_steps} steps" if cfg.train.max_steps else f"{cfg.train.epochs} epochs"
     print(f"plan: preset {preset}, source {cfg.data.source} ({fingerprint}), model {cfg.model.name}, "

@@ -19,9 +19,10 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import re
 import shlex
 import uuid
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 import asyncssh
@@ -43,6 +44,8 @@ from tasks.slurm.states import (
 )
 
 log = logging.getLogger(__name__)
+
+ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 
 
 @dataclass(frozen=True)
@@ -67,6 +70,15 @@ def _remote_path(path: str) -> str:
     if path in ("~", "~/"):
         return "."
     return path[2:] if path.startswith("~/") else path
+
+
+def _env_lines(env: Mapping[str, str]) -> str:
+    """``NAME=value`` lines for the remote shell's ``export``; names are checked, values are one line."""
+    for name, value in env.items():
+        if not ENV_NAME.match(name) or "\n" in value:
+            raise ValueError(f"cannot pass environment variable {name!r} to a Slurm job: the name must be a "
+                             "shell identifier and the value a single line")
+    return "".join(f"{name}={value}\n" for name, value in env.items())
 
 
 @dataclass
@@ -102,10 +114,10 @@ class SlurmClient:
             raise SlurmError("SlurmClient is not connected: use it as 'async with SlurmClient(target) as c:'")
         return self._conn
 
-    async def _exec(self, command: str, timeout_s: float | None = None,
-                    label: str | None = None) -> CommandResult:
-        """Run ``command`` remotely within the timeout; ``label`` names it in errors instead of the full
-        command line (which may carry sbatch --export values)."""
+    async def _exec(self, command: str, timeout_s: float | None = None, label: str | None = None,
+                    stdin: str | None = None) -> CommandResult:
+        """Run ``command`` remotely within the timeout, ``stdin`` written to its standard input; ``label``
+        names it in errors instead of the full command line."""
         limit = timeout_s or self.target.command_timeout_s
         name = label or command
         host = self.target.host
@@ -117,6 +129,9 @@ class SlurmClient:
         except (OSError, asyncssh.Error) as exc:
             raise SlurmConnectionError(f"{host}: SSH connection lost running {name!r}: {exc}") from None
         try:
+            if stdin is not None:  # given only to commands that read it to its end: the channel stays open
+                process.stdin.write(stdin)
+                process.stdin.write_eof()
             done = await process.wait(timeout=limit)
         except asyncio.TimeoutError:
             process.close()  # closing the channel makes sshd hang up on the remote command
@@ -172,19 +187,25 @@ class SlurmClient:
                              "in sshd_config: 'Subsystem sftp internal-sftp'") from None
         return path
 
-    async def submit(self, script: str, remote_dir: str, sbatch_args: Sequence[str] = ()) -> str:
+    async def submit(self, script: str, remote_dir: str, sbatch_args: Sequence[str] = (),
+                     env: Mapping[str, str] | None = None) -> str:
         """Upload ``script`` into ``remote_dir`` and ``sbatch`` it from there; the new job's id.
 
         ``remote_dir`` (absolute, or relative to the remote home) is also the job's working directory
-        unless ``sbatch_args`` say otherwise. sbatch's complaints come back as ``SlurmError``.
+        unless ``sbatch_args`` say otherwise. ``env`` (credentials, say) reaches the job through sbatch's
+        environment: its values travel on the SSH channel's standard input, never in a command line (which
+        ``ps`` shows) or a file. sbatch's complaints come back as ``SlurmError``.
         """
+        lines = _env_lines(env or {})
         filename = f"job-{uuid.uuid4().hex[:12]}.sbatch"
         path = await self._upload(script, remote_dir, filename)
         args = " ".join(shlex.quote(arg) for arg in sbatch_args)
         workdir = shlex.quote(_remote_path(remote_dir))
         # The script's name, not its path: a relative remote_dir would be resolved twice after the cd.
-        command = f"cd {workdir} && sbatch --parsable {args} {shlex.quote(filename)}"
-        result = await self._exec(command, label="sbatch")
+        # sbatch exports its whole environment to the job by default (--export=ALL).
+        command = (f"cd {workdir} && while IFS= read -r assignment; do export \"$assignment\"; done && "
+                   f"sbatch --parsable {args} {shlex.quote(filename)}")
+        result = await self._exec(command, label="sbatch", stdin=lines)
         if result.status != 0:
             raise SlurmError(f"sbatch rejected the job (exit {result.status}): "
                              f"{result.stderr.strip() or result.stdout.strip()}")
@@ -283,6 +304,15 @@ class SlurmClient:
             raise ValueError(f"lines must be positive, got {lines}")
         quoted = shlex.quote(_remote_path(path))
         return await self.run(f"if [ -f {quoted} ]; then tail -n {int(lines)} -- {quoted}; fi")
+
+    async def prune(self, parent: str, keep: int, quiet_minutes: int = 24 * 60) -> None:
+        """Remove the subdirectories of ``parent`` beyond the newest ``keep``, except those where anything
+        changed in the last ``quiet_minutes`` (a job that still runs writes its logs there)."""
+        quoted = shlex.quote(_remote_path(parent))
+        await self.run(f"cd {quoted} 2>/dev/null || exit 0; ls -1t | tail -n +{int(keep) + 1} | "
+                       "while IFS= read -r d; do [ -d \"$d\" ] && "
+                       f"[ -z \"$(find \"$d\" -mmin -{int(quiet_minutes)} -print -quit)\" ] && "
+                       "rm -rf -- \"$d\"; done; exit 0")
 
     async def partition_nodes(self, partition: str | None = None) -> int:
         """Node count of ``partition`` (the cluster's default partition when None), from sinfo."""

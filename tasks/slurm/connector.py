@@ -1,27 +1,35 @@
 """The Slurm backend's Flyte side: the train task type ``slurm_train`` and its connector.
 
 Where the workflow runs (``pyflyte run`` here, or a connector service next to a Flyte cluster), the task is
-not executed but submitted: the connector writes a batch script (tasks/slurm/job.py), submits it over SSH
+not executed but submitted: the connector checks the cluster (the login node's Slurm commands, the
+partition's size), writes a batch script (tasks/slurm/job.py), submits it over SSH
 (tasks/slurm/client.py), polls the job and cancels it on abort. Inside the job, ``pyflyte-execute`` runs
 the task's command on every node, and the task resolver (tasks/launch.py) rebuilds from it the elastic
 train task of the same topology: torch elastic agents that meet on the first node, checkpoints in the
 durable root, rank 0's result as the output.
 
 The task's inputs and outputs live under the execution's output prefix, which the cluster must reach: a
-shared filesystem for a local run, an object store the cluster can read and write for a remote one.
+shared filesystem for a local run, an object store the cluster can read and write for a remote one. The
+object store's credentials are never part of the task: the connector forwards its own FLYTE_AWS_* and
+AWS_* environment to each job at submission.
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import os
-from dataclasses import asdict, dataclass
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import asdict, dataclass, replace
 from typing import Any
 
 from flyteidl.core.execution_pb2 import TaskExecution
 from flytekit.configuration import ImageConfig, SerializationSettings
 from flytekit.core.context_manager import FlyteContextManager, SecretsManager
 from flytekit.core.python_function_task import PythonFunctionTask
+from flytekit.core.type_engine import TypeEngine
 from flytekit.exceptions.user import FlyteRecoverableException, FlyteUserException
 from flytekit.extend.backend.base_connector import (
     AsyncConnectorBase,
@@ -33,19 +41,27 @@ from flytekit.extend.backend.base_connector import (
 from flytekit.extend.backend.utils import render_task_template
 from flytekit.models.literals import LiteralMap
 from flytekit.models.task import TaskTemplate
+from rich.markup import escape
 
+from tasks.plan import LaunchInputError
 from tasks.slurm.client import SlurmClient
-from tasks.slurm.job import batch_script, sbatch_args, task_error
+from tasks.slurm.job import batch_script, sbatch_args
+from tasks.slurm.report import failure_message, headline, success_message
 from tasks.slurm.ssh import SlurmConnectionError, SlurmTarget
-from tasks.slurm.states import JobInfo, Outcome
+from tasks.slurm.states import JobInfo, Outcome, SlurmError
 from tasks.train import TopologyTaskMixin, task_settings, train_function
 from tasks.types import Topology
+from traincore.config import Config
 
 SLURM_TASK_TYPE = "slurm_train"
 JOBS_DIR = ".flyte-torch-pipeline/slurm-jobs"  # on the login node, relative to the user's home
+KEEP_JOB_DIRS = 20  # newest job directories kept there; older ones go once nothing in them changed for a day
 SSH_KEY_SECRET = ("slurm", "ssh_key")  # optional Flyte secret (group, key): the login node's private key
-STDERR_TAIL_LINES = 40  # of a failed job's stderr (and of a finished job's stdout) in its message
+SLURM_COMMANDS = ("sbatch", "srun", "scontrol", "scancel", "sinfo")
+FORWARDED_ENV = ("FLYTE_AWS_", "AWS_")  # object-store settings and credentials a job needs, by prefix
 LAST_KEPT = 256  # finished jobs whose outcome the connector remembers (a local run reads its own)
+REQUEUE_WAIT_S = 600.0  # how long a job Slurm requeued (NODE_FAIL, say) may wait to run again
+CANCEL_TIMEOUT_S = 30.0  # Ctrl-C: connect and scancel within this
 PHASES = {Outcome.QUEUED: TaskExecution.QUEUED, Outcome.RUNNING: TaskExecution.RUNNING,
           Outcome.SUCCEEDED: TaskExecution.SUCCEEDED, Outcome.FAILED: TaskExecution.FAILED,
           Outcome.RETRYABLE: TaskExecution.RETRYABLE_FAILED, Outcome.ABORTED: TaskExecution.ABORTED}
@@ -60,6 +76,7 @@ class SlurmJobMeta(ResourceMeta):
     job_id: str
     target: str
     output_prefix: str
+    checkpoint_root: str = ""  # the task's input: where a retry resumes from
 
 
 def ssh_target(host: str) -> SlurmTarget:
@@ -69,8 +86,42 @@ def ssh_target(host: str) -> SlurmTarget:
     return SlurmTarget(host=host, key_file=key_file if os.path.isfile(key_file) else None)
 
 
+def forwarded_env(environ: dict[str, str] | os._Environ) -> dict[str, str]:
+    """The submitting process's object-store settings and credentials (FLYTE_AWS_*, AWS_*) for the job."""
+    return {name: value for name, value in environ.items() if name.startswith(FORWARDED_ENV)}
+
+
+async def _task_inputs(inputs: LiteralMap | None) -> tuple[Config, str]:
+    """The run's Config and checkpoint root from the task's inputs (defaults when there are none)."""
+    if inputs is None or "config" not in inputs.literals:
+        return Config(), ""
+    ctx = FlyteContextManager.current_context()
+    config = await TypeEngine.async_to_python_value(ctx, inputs.literals["config"], Config)
+    root = inputs.literals.get("checkpoint_root")
+    return config, root.scalar.primitive.string_value if root is not None else ""
+
+
+async def check_cluster(client: SlurmClient, topology: Topology) -> None:
+    """The login node has the Slurm commands and the partition has ``nnodes`` nodes, or a LaunchInputError
+    that names the input and the fix."""
+    slurm = topology.slurm
+    missing = await client.missing_commands(SLURM_COMMANDS)
+    if missing:
+        raise LaunchInputError(f"input slurm_target={slurm.target!r}: the login node has no "
+                               f"{', '.join(missing)} on its PATH: is it a Slurm login node?")
+    try:
+        nodes = await client.partition_nodes(slurm.partition or None)
+    except SlurmError as exc:
+        raise LaunchInputError(f"input slurm_partition={slurm.partition!r}: {exc}: set slurm_partition to "
+                               "one of those, or leave it empty for the default partition") from exc
+    if topology.nnodes > nodes:
+        where = f"partition {slurm.partition!r}" if slurm.partition else "the default partition"
+        raise LaunchInputError(f"input nnodes={topology.nnodes} exceeds the {nodes} node(s) of {where} on "
+                               f"{slurm.target}: lower nnodes or choose a larger slurm_partition")
+
+
 class SlurmTrainConnector(AsyncConnectorBase):
-    """create = sbatch, get = job state (+ the job's error on failure), delete = scancel."""
+    """create = check the cluster + sbatch, get = job state (+ the first failure), delete = scancel."""
 
     name = "flyte-torch-pipeline Slurm train connector"
 
@@ -78,6 +129,8 @@ class SlurmTrainConnector(AsyncConnectorBase):
         # Version 1: what the task template carries (kfpytorch's Elastic task sets task_type_version=1).
         super().__init__(task_type_name=SLURM_TASK_TYPE, task_type_version=1, metadata_type=SlurmJobMeta)
         self._clients: dict[str, SlurmClient] = {}
+        self.requeue_wait_s = REQUEUE_WAIT_S
+        self._requeued_since: dict[str, float] = {}  # job id -> first seen waiting after a requeue
         # job id -> final outcome and message: what a local run prints or raises once the job ended. A
         # local run takes its entry; a connector service never does, so only the newest LAST_KEPT are kept.
         self.last: dict[str, tuple[Outcome, str]] = {}
@@ -99,46 +152,98 @@ class SlurmTrainConnector(AsyncConnectorBase):
 
     async def create(self, task_template: TaskTemplate, inputs: LiteralMap | None = None,
                      output_prefix: str = "", **kwargs: Any) -> SlurmJobMeta:
-        """Write the batch script next to the job's logs on the login node and submit it."""
+        """Check the cluster, write the batch script next to the job's logs on the login node, submit it."""
         topology = Topology.from_dict(task_template.custom["topology"])
+        target = topology.slurm.target
+        config, checkpoint_root = await _task_inputs(inputs)
         entrypoint = list(render_task_template(task_template, output_prefix).container.args)
         job_dir = f"{JOBS_DIR}/{output_prefix.rstrip('/').rsplit('/', 1)[-1] or 'job'}"
-        script = batch_script(topology, entrypoint)
-        job_id = await self._call(topology.slurm.target, "submit", script, job_dir, sbatch_args(topology))
-        log.info("submitted Slurm job %s to %s (%d node(s))", job_id, topology.slurm.target, topology.nnodes)
-        return SlurmJobMeta(job_id=job_id, target=topology.slurm.target, output_prefix=output_prefix)
+        try:
+            await check_cluster(await self._client(target), topology)
+        except SlurmConnectionError as exc:
+            raise LaunchInputError(f"input slurm_target={target!r}: {exc}") from exc
+        job_id = await self._call(target, "submit", batch_script(topology, entrypoint), job_dir,
+                                  sbatch_args(topology, config.checkpoint.preemption_grace_s),
+                                  forwarded_env(os.environ))
+        log.info("submitted Slurm job %s to %s (%d node(s))", job_id, target, topology.nnodes)
+        try:
+            await self._call(target, "prune", JOBS_DIR, KEEP_JOB_DIRS)
+        except SlurmError as exc:  # housekeeping: never fail a submitted job over it
+            log.warning("could not prune old job directories on %s: %s", target, exc)
+        return SlurmJobMeta(job_id=job_id, target=target, output_prefix=output_prefix,
+                            checkpoint_root=checkpoint_root)
 
     async def get(self, resource_meta: SlurmJobMeta, **kwargs: Any) -> Resource:
-        """The job's Flyte phase; a failed job's message carries the task's error and its stderr's tail."""
+        """The job's Flyte phase; a finished job's message: its summary, or its first failure."""
         job: JobInfo = await self._call(resource_meta.target, "job", resource_meta.job_id)
-        message = f"Slurm job {job.job_id} {job.state}" + (f" ({job.reason})" if job.reason else "")
-        if job.outcome in (Outcome.FAILED, Outcome.RETRYABLE, Outcome.ABORTED):
-            message = await self._failure_message(resource_meta, job, message)
-        elif job.outcome is Outcome.SUCCEEDED and job.stdout_path:
-            tail = await self._call(resource_meta.target, "tail", job.stdout_path, STDERR_TAIL_LINES)
-            summary = [line for line in tail.splitlines() if line.startswith("train:")]  # rank 0's summary
-            message = "\n".join([f"{message} on {job.node_count or '?'} node(s); log {job.stdout_path}",
-                                  *summary])
+        outcome, message = job.outcome, headline(job, resource_meta.target)
+        if job.outcome is Outcome.QUEUED and job.restarts:
+            outcome, message = await self._waiting_after_requeue(resource_meta, job, message)
+        else:
+            self._requeued_since.pop(job.job_id, None)
         if job.finished:
-            self.last[job.job_id] = (job.outcome, message)
+            outcome, message = await self._final(resource_meta, job)
+        if outcome not in (Outcome.QUEUED, Outcome.RUNNING):
+            self.last[job.job_id] = (outcome, message)
             while len(self.last) > LAST_KEPT:
                 del self.last[next(iter(self.last))]  # the oldest: dicts keep insertion order
-        return Resource(phase=PHASES[job.outcome], message=message)
+        return Resource(phase=PHASES[outcome], message=_for_display(message))
 
-    async def _failure_message(self, meta: SlurmJobMeta, job: JobInfo, headline: str) -> str:
-        parts = [f"{headline}, exit code {job.exit_code}"]
-        error = task_error(meta.output_prefix)
-        if error:
-            parts.append(f"error: {error}")
-        if job.stderr_path:
-            tail = await self._call(meta.target, "tail", job.stderr_path, STDERR_TAIL_LINES)
-            if tail.strip():
-                parts.append(f"last lines of {job.stderr_path}:\n{tail.rstrip()}")
-        return "\n".join(parts)
+    async def _final(self, meta: SlurmJobMeta, job: JobInfo) -> tuple[Outcome, str]:
+        async def tail(path: str, lines: int) -> str:
+            return await self._call(meta.target, "tail", path, lines)
+
+        if job.outcome is Outcome.SUCCEEDED:
+            return Outcome.SUCCEEDED, await success_message(job, meta.target, tail)
+        if job.outcome is Outcome.ABORTED:
+            return Outcome.ABORTED, headline(job, meta.target)
+        return await failure_message(job, meta.target, meta.output_prefix, meta.checkpoint_root, tail)
+
+    async def _waiting_after_requeue(self, meta: SlurmJobMeta, job: JobInfo,
+                                     message: str) -> tuple[Outcome, str]:
+        """A requeued job waits for nodes; once it has waited longer than ``requeue_wait_s`` it is cancelled
+        and the task fails as retryable, saying how long it waited and what to do."""
+        since = self._requeued_since.setdefault(job.job_id, time.monotonic())
+        waited = time.monotonic() - since
+        if waited <= self.requeue_wait_s:
+            return Outcome.QUEUED, f"{message}; requeued {job.restarts} time(s), waiting for nodes"
+        await self._call(meta.target, "cancel", job.job_id)
+        self._requeued_since.pop(job.job_id, None)
+        return Outcome.RETRYABLE, (
+            f"{message}: Slurm requeued the job {job.restarts} time(s) (a node failed) and it waited "
+            f"{waited:.0f} s without starting again, so it was cancelled. Check the nodes (ssh {meta.target} "
+            "sinfo -R); a retry submits a new job that resumes from the checkpoint root")
 
     async def delete(self, resource_meta: SlurmJobMeta, **kwargs: Any) -> None:
         """Cancel the job (a job that already ended is fine)."""
         await self._call(resource_meta.target, "cancel", resource_meta.job_id)
+
+    def cancel_now(self, meta: SlurmJobMeta) -> str:
+        """Cancel the job from a signal handler, while this process's event loop is busy: on a loop and an
+        SSH connection of its own, in a thread, within CANCEL_TIMEOUT_S. Says what happened."""
+        target = replace(ssh_target(meta.target), connect_timeout_s=CANCEL_TIMEOUT_S / 2,
+                         command_timeout_s=CANCEL_TIMEOUT_S / 2)
+
+        async def cancel() -> None:
+            async with SlurmClient(target) as client:
+                await client.cancel(meta.job_id)
+
+        pool = ThreadPoolExecutor(max_workers=1)
+        try:
+            pool.submit(asyncio.run, cancel()).result(timeout=CANCEL_TIMEOUT_S + 5)
+        except Exception as exc:
+            return (f"could not cancel Slurm job {meta.job_id} on {meta.target} ({exc}): cancel it with "
+                    f"`ssh {meta.target} scancel {meta.job_id}`")
+        finally:
+            pool.shutdown(wait=False)
+        return f"cancelled Slurm job {meta.job_id} on {meta.target}"
+
+
+def _for_display(message: str) -> str:
+    """A local run shows the message in a rich progress line, which would parse worker output such as
+    ``[/__w/...]`` as markup: escape it there. A connector service's messages reach Flyte as they are."""
+    state = FlyteContextManager.current_context().execution_state
+    return escape(message) if state is not None and state.is_local_execution() else message
 
 
 class SlurmTrainTask(TopologyTaskMixin, AsyncConnectorExecutorMixin, PythonFunctionTask):
@@ -162,7 +267,8 @@ class SlurmTrainTask(TopologyTaskMixin, AsyncConnectorExecutorMixin, PythonFunct
         return {"topology": asdict(self.topology)}
 
     def execute(self, **kwargs):
-        """Submit the job and follow it to its end, printing its summary (or raising its error)."""
+        """Submit the job and follow it to its end, printing its summary (or raising its first failure:
+        recoverable when the job was preempted, timed out or lost a node or a worker)."""
         ctx = FlyteContextManager.current_context()
         # flytekit serialises the template before submitting it and insists on an image; a Slurm job runs
         # in the environment its set-up lines activate, so flytekit's default image name only fills the field.
@@ -170,14 +276,23 @@ class SlurmTrainTask(TopologyTaskMixin, AsyncConnectorExecutorMixin, PythonFunct
         try:
             with FlyteContextManager.with_context(ctx.with_serialization_settings(settings)):
                 outputs = super().execute(**kwargs)
-        except FlyteUserException as exc:
+        except FlyteUserException:
             job_id = self.resource_meta.job_id if self.resource_meta else ""
-            outcome, _ = CONNECTOR.last.pop(job_id, (None, ""))
-            if outcome is Outcome.RETRYABLE:  # preempted, node lost: Flyte's retries apply
-                raise FlyteRecoverableException(str(exc)) from exc
-            raise
+            outcome, message = CONNECTOR.last.pop(job_id, (None, ""))
+            if outcome is None:  # not the job's verdict (flytekit's own error): as it is
+                raise
+            if outcome is Outcome.RETRYABLE:  # preempted, timed out, node or worker lost: retries apply
+                raise FlyteRecoverableException(message) from None
+            raise FlyteUserException(message) from None
         print(CONNECTOR.last.pop(self.resource_meta.job_id)[1], flush=True)
         return outputs
+
+    def connector_signal_handler(self, resource_meta: SlurmJobMeta, signum: int, frame: Any) -> None:
+        """Ctrl-C: cancel the job, say so and exit (130 for SIGINT) without a traceback. flytekit's own
+        handler runs the async delete with asyncio.run while its event loop runs the task, which raises
+        before delete starts (flytekit 1.16)."""
+        print(CONNECTOR.cancel_now(resource_meta), file=sys.stderr, flush=True)
+        raise SystemExit(128 + signum)
 
 
 CONNECTOR = SlurmTrainConnector()

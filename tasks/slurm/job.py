@@ -1,36 +1,65 @@
-"""The Slurm batch job a training run becomes: sbatch flags and the script, built from a Topology.
+"""The Slurm batch job a training run becomes: sbatch flags and the script, built from a Topology, and the
+failures its nodes report.
 
 One Slurm task per node (``--ntasks-per-node=1``): ``srun`` starts the task's own entrypoint
 (``pyflyte-execute ...``) once on every node, and each of those runs one torch elastic agent with
 ``nproc_per_node`` workers. The agents meet in a c10d rendezvous on the first node of the allocation, at a
 port derived from the job id, so two jobs sharing a node do not collide. Only global rank 0 writes the
 task's outputs; the other nodes end with flytekit's IgnoreOutputs.
+
+A failed node writes an error document of its own (flytekit's distributed error strategy: ``error-<uuid>.pb``
+named by the node), so no node's failure overwrites another's, and each node's stderr goes to a file of its
+own (``slurm-<job>-<node>.err``). :func:`task_failures` orders them so that the cause comes first.
 """
 
 from __future__ import annotations
 
 import logging
+import math
+import posixpath
+import re
 import shlex
+import signal
 import sys
+from dataclasses import dataclass
 
 from flyteidl.core import errors_pb2
 from flytekit.core import utils
 from flytekit.core.context_manager import FlyteContextManager
 
+from tasks.slurm.states import JobInfo, Outcome
 from tasks.types import Topology
+from traincore.preemption import PREEMPTED_EXIT_CODE
 
 log = logging.getLogger(__name__)
 
 RDZV_PORT_BASE = 29400  # c10d rendezvous port = base + job id modulo RDZV_PORT_SPAN
 RDZV_PORT_SPAN = 1000
 JOB_NAME = "flyte-torch-train"
+# Seconds the warning signal comes before the time limit beyond the preemption grace: the agents' own
+# shutdown and the step in progress when the signal arrives.
+SIGNAL_MARGIN_S = 15
+# torch elastic's account of a failed worker (ChildFailedError.format_msg): its rank and exit code, negative
+# for a signal. A worker ended by a signal from outside is the cause of its peers' collective errors.
+_TORCH_RANK = re.compile(r"^\s*rank\s*:\s*(\d+)", re.M)
+_TORCH_EXIT = re.compile(r"^\s*exitcode\s*:\s*(-?\d+)", re.M)
 
 
-def sbatch_args(topology: Topology) -> list[str]:
-    """The sbatch command-line flags of the job: nodes, GPUs, partition, account, time, extra flags."""
+def warning_lead_s(grace_s: float) -> int:
+    """Seconds before the time limit at which the job's steps get SIGTERM: the grace, rounded up, plus a
+    margin, so the workers save a checkpoint before Slurm ends the job with TIMEOUT."""
+    return math.ceil(grace_s) + SIGNAL_MARGIN_S
+
+
+def sbatch_args(topology: Topology, grace_s: float) -> list[str]:
+    """The sbatch command-line flags of the job: nodes, GPUs, partition, account, time, the warning signal
+    before the time limit, extra flags. A requeued job appends to its logs instead of overwriting them."""
     slurm = topology.slurm
+    # No "B:": the signal goes to the job's steps, i.e. srun's tasks and every process under them (the
+    # torch elastic agents and their workers), not to the batch shell that waits for srun.
     args = [f"--nodes={topology.nnodes}", "--ntasks-per-node=1", f"--job-name={JOB_NAME}",
-            "--output=slurm-%j.out", "--error=slurm-%j.err"]
+            "--output=slurm-%j.out", "--error=slurm-%j.err", "--open-mode=append",
+            f"--signal=TERM@{warning_lead_s(grace_s)}"]
     if topology.gpus_per_node:
         args.append(f"--gres=gpu:{topology.gpus_per_node}")
     flags = (("partition", slurm.partition), ("account", slurm.account), ("time", slurm.time_limit))
@@ -40,12 +69,19 @@ def sbatch_args(topology: Topology) -> list[str]:
     return args + shlex.split(slurm.sbatch_flags)
 
 
+def node_stderr(job_stderr: str, job_id: str, node: str) -> str:
+    """The stderr file of ``node``'s task, next to the job's own stderr ``job_stderr``."""
+    return posixpath.join(posixpath.dirname(job_stderr), f"slurm-{job_id}-{node}.err")
+
+
 def batch_script(topology: Topology, entrypoint: list[str]) -> str:
-    """The batch script: the user's set-up lines, the rendezvous endpoint, ``srun`` of the entrypoint, then
-    the task's verdict (pyflyte-execute reports a task's exception in error.pb and exits 0, because Flyte
-    reads that file; a batch job must fail instead, with the exception on its stderr)."""
+    """The batch script: the user's set-up lines, the rendezvous endpoint, then ``srun`` of each node's part:
+    the entrypoint, then that node's verdict (pyflyte-execute reports a task's exception in an error document
+    and exits 0, because Flyte reads that file; a node that failed must exit non-zero instead, so that
+    ``--kill-on-bad-exit`` ends the other nodes, whose workers would otherwise wait in a collective for
+    their lost peer until it times out)."""
     nodes = topology.nnodes
-    output_prefix = entrypoint[entrypoint.index("--output-prefix") + 1]
+    prefix = shlex.quote(entrypoint[entrypoint.index("--output-prefix") + 1])
     return f"""#!/bin/bash
 # Written by flyte-torch-pipeline: one torch elastic agent per node, {topology.nproc_per_node} worker(s) each.
 set -eo pipefail
@@ -59,35 +95,115 @@ export PET_NNODES={nodes}
 # torch elastic agents meet under one run id, which flytekit takes from the execution id: without one each
 # agent would draw a random id and wait alone until the rendezvous timeout.
 export FLYTE_INTERNAL_EXECUTION_ID="${{FLYTE_INTERNAL_EXECUTION_ID:-slurm-$SLURM_JOB_ID}}"
-echo "job $SLURM_JOB_ID: {nodes} node(s) $SLURM_JOB_NODELIST, rendezvous at $PET_RDZV_ENDPOINT" >&2
-srun --nodes={nodes} --ntasks-per-node=1 --kill-on-bad-exit=1 {shlex.join(entrypoint)}
-python -m tasks.slurm.job {shlex.quote(output_prefix)}
+# Each node's error document gets a name of its own and says which node wrote it.
+export FLYTE_INTERNAL_DIST_ERROR_STRATEGY=Earliest
+attempt=$(( ${{SLURM_RESTART_COUNT:-0}} + 1 ))
+echo "job $SLURM_JOB_ID attempt $attempt: {nodes} node(s) $SLURM_JOB_NODELIST," \\
+    "rendezvous at $PET_RDZV_ENDPOINT" >&2
+if [ "$attempt" -gt 1 ]; then python -m tasks.slurm.job --clear {prefix}; fi
+node_task() {{
+    export FLYTE_INTERNAL_WORKER_NAME="$SLURMD_NODENAME"
+    "$@" && python -m tasks.slurm.job --node "$SLURMD_NODENAME" {prefix}
+}}
+export -f node_task
+srun --nodes={nodes} --ntasks-per-node=1 --kill-on-bad-exit=1 --error=slurm-%j-%N.err --open-mode=append \\
+    bash -c 'node_task "$@"' node {shlex.join(entrypoint)}
 """
 
 
-def task_error(output_prefix: str) -> str:
-    """The message of the error document pyflyte-execute wrote for a failed task, or ''."""
+@dataclass(frozen=True)
+class TaskFailure:
+    """One node's error document: who wrote it, when, whether Flyte may retry, and the message."""
+
+    node: str
+    timestamp: float
+    recoverable: bool
+    message: str
+
+    @property
+    def worker_signal(self) -> tuple[int, str] | None:
+        """(rank, signal name) of the first worker torch elastic reports ended by a signal, else None."""
+        ranks, exits = _TORCH_RANK.findall(self.message), _TORCH_EXIT.findall(self.message)
+        for rank, code in zip(ranks, exits, strict=False):
+            if int(code) < 0:
+                try:
+                    return int(rank), signal.Signals(-int(code)).name
+                except ValueError:
+                    return int(rank), f"signal {-int(code)}"
+        return None
+
+    def summary(self) -> str:
+        """Where it failed and how, in one line: the node, and the rank and signal when one killed it."""
+        where = f"node {self.node}" if self.node else "a node"
+        killed = self.worker_signal
+        return f"{where}: rank {killed[0]} was killed by {killed[1]}" if killed else f"{where} failed"
+
+
+def _read_error(path: str) -> TaskFailure:
     ctx = FlyteContextManager.current_context()
-    path = f"{output_prefix.rstrip('/')}/error.pb"
+    local = ctx.file_access.get_random_local_path()
+    ctx.file_access.get_data(path, local)
+    error = utils.load_proto_from_file(errors_pb2.ErrorDocument, local).error
+    return TaskFailure(node=error.worker, timestamp=error.timestamp.ToMicroseconds() / 1e6,
+                       recoverable=error.kind == errors_pb2.ContainerError.RECOVERABLE,
+                       message=error.message.strip())
+
+
+def error_documents(output_prefix: str) -> list[str]:
+    """The paths of the error documents under the task's output prefix (``error.pb``, ``error-*.pb``)."""
+    ctx = FlyteContextManager.current_context()
+    prefix = output_prefix.rstrip("/")
+    fs = ctx.file_access.get_filesystem_for_path(prefix)
+    found = fs.glob(f"{prefix}/error*.pb")
+    protocol = prefix.split("://", 1)[0] if "://" in prefix else ""
+    return sorted(path if not protocol or "://" in path else f"{protocol}://{path}" for path in found)
+
+
+def task_failures(output_prefix: str) -> list[TaskFailure]:
+    """The nodes' failures, the cause first: a worker ended by a signal from outside (its peers' collective
+    errors follow from it), then by time. Empty when none is readable."""
     try:
-        if not ctx.file_access.exists(path):
-            return ""
-        local = ctx.file_access.get_random_local_path()
-        ctx.file_access.get_data(path, local)
-    except Exception as exc:  # the job's error is a courtesy: never hide the job's state behind it
-        log.warning("could not read %s: %s", path, exc)
-        return ""
-    return utils.load_proto_from_file(errors_pb2.ErrorDocument, local).error.message.strip()
+        failures = [_read_error(path) for path in error_documents(output_prefix)]
+    except Exception as exc:  # the task's error is a courtesy: never hide the job's state behind it
+        log.warning("could not read the error documents under %s: %s", output_prefix, exc)
+        return []
+    return sorted(failures, key=lambda failure: (failure.worker_signal is None, failure.timestamp))
+
+
+def job_outcome(job: JobInfo, failures: list[TaskFailure]) -> Outcome:
+    """A finished job's outcome from its Slurm state and the nodes' own failure markers: a job that Slurm
+    ended for its time limit, a preemption or a lost node, one whose tasks exited 75 (a preempted worker) and
+    one whose first failure is recoverable (its error document says so) are worth a retry."""
+    if job.outcome is not Outcome.FAILED:
+        return job.outcome
+    if job.exit_code == PREEMPTED_EXIT_CODE or (failures and failures[0].recoverable):
+        return Outcome.RETRYABLE
+    return Outcome.FAILED
+
+
+def _clear(output_prefix: str) -> None:
+    """Remove an earlier attempt's error documents (a job Slurm requeued runs again in the same prefix)."""
+    ctx = FlyteContextManager.current_context()
+    fs = ctx.file_access.get_filesystem_for_path(output_prefix)
+    for path in error_documents(output_prefix):
+        fs.rm(path)
 
 
 def main(argv: list[str] | None = None) -> int:
-    """``python -m tasks.slurm.job OUTPUT_PREFIX``: exit 1, printing the task's error, when it failed."""
-    (output_prefix,) = sys.argv[1:] if argv is None else argv
-    error = task_error(output_prefix)
-    if error:
-        print(f"the task failed: {error}", file=sys.stderr, flush=True)
-        return 1
-    return 0
+    """``python -m tasks.slurm.job --node NODE OUTPUT_PREFIX``: one node's verdict. Exit 75 (retry) when the
+    node's failure is recoverable, 1 when it is not, printing it; 0 when the node did not fail.
+    ``python -m tasks.slurm.job --clear OUTPUT_PREFIX`` removes an earlier attempt's error documents."""
+    args = sys.argv[1:] if argv is None else argv
+    if args[0] == "--clear":
+        _clear(args[1])
+        return 0
+    _, node, output_prefix = args
+    failures = [failure for failure in task_failures(output_prefix) if failure.node == node]
+    if not failures:
+        return 0
+    first = failures[0]
+    print(f"the task failed ({first.summary()}): {first.message}", file=sys.stderr, flush=True)
+    return PREEMPTED_EXIT_CODE if first.recoverable else 1
 
 
 if __name__ == "__main__":

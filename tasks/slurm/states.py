@@ -11,14 +11,17 @@ REQUEUE_HOLD, RESV_DEL_HOLD, EXPEDITING
 RUNNING, COMPLETING, SUSPENDED, STOPPED, SIGNALING, STAGE_OUT,    RUNNING
 RESIZING, UPDATE_DB
 COMPLETED                                                         SUCCEEDED
-FAILED, TIMEOUT, OUT_OF_MEMORY, SPECIAL_EXIT                      FAILED
-PREEMPTED, NODE_FAIL, BOOT_FAIL, LAUNCH_FAILED, RECONFIG_FAIL,   RETRYABLE
-DEADLINE
+FAILED, OUT_OF_MEMORY, SPECIAL_EXIT                               FAILED
+TIMEOUT, PREEMPTED, NODE_FAIL, BOOT_FAIL, LAUNCH_FAILED,          RETRYABLE
+RECONFIG_FAIL, DEADLINE
 CANCELLED, REVOKED                                                ABORTED
 ==============================================================  ==========
 
 Choices worth knowing:
 
+- TIMEOUT is RETRYABLE: the job asks for a warning signal before its time limit (tasks/slurm/job.py), saves
+  a checkpoint on it, and the retry resumes from there; a job that makes no progress at all still ends
+  once Flyte's retry budget is spent.
 - COMPLETING is RUNNING: the epilog still runs on the nodes; the final state follows.
 - DEADLINE is RETRYABLE: Slurm ends a job that can no longer finish before its ``--deadline`` because of
   how busy the cluster was, not because of the job's code; a later attempt can fit, and Flyte's retry
@@ -74,7 +77,7 @@ BASE_STATE_OUTCOMES: dict[str, Outcome] = {
     "COMPLETED": Outcome.SUCCEEDED,
     "CANCELLED": Outcome.ABORTED,
     "FAILED": Outcome.FAILED,
-    "TIMEOUT": Outcome.FAILED,
+    "TIMEOUT": Outcome.RETRYABLE,
     "NODE_FAIL": Outcome.RETRYABLE,
     "PREEMPTED": Outcome.RETRYABLE,
     "BOOT_FAIL": Outcome.RETRYABLE,
@@ -125,7 +128,8 @@ class JobInfo:
     ``state`` is Slurm's base state where the output names it (JSON lists), else the one word Slurm
     printed (text and sacct show a flag such as COMPLETING instead of the base state); ``flags`` holds
     the other words. ``exit_code`` and ``signal`` come from ``ExitCode=N:S``; they are only meaningful
-    once the job has ended (Slurm shows 0:0 while it waits).
+    once the job has ended (Slurm shows 0:0 while it waits). ``restarts`` counts Slurm's requeues of the job
+    (after NODE_FAIL, say); a QUEUED job with restarts waits to run again.
     """
 
     job_id: str
@@ -138,6 +142,7 @@ class JobInfo:
     node_count: int | None = None
     flags: tuple[str, ...] = ()
     signal: int | None = None
+    restarts: int = 0
 
     @property
     def finished(self) -> bool:
@@ -253,7 +258,8 @@ def parse_scontrol_text(line: str) -> JobInfo:
     reason = _with_unrecognised(_clean(fields.get("Reason")), unrecognised, outcome, job_id)
     return JobInfo(job_id=job_id, state=state, outcome=outcome, exit_code=exit_code, reason=reason,
                    stdout_path=_clean(fields.get("StdOut")), stderr_path=_clean(fields.get("StdErr")),
-                   node_count=_leading_int(fields.get("NumNodes")), flags=flags, signal=signal)
+                   node_count=_leading_int(fields.get("NumNodes")), flags=flags, signal=signal,
+                   restarts=_leading_int(fields.get("Restarts")) or 0)
 
 
 def _number(value: Any) -> int | None:
@@ -307,7 +313,7 @@ def parse_scontrol_json(text: str, job_id: str) -> JobInfo:
     return JobInfo(job_id=str(job.get("job_id", job_id)), state=state, outcome=outcome, exit_code=exit_code,
                    reason=reason, stdout_path=_clean(job.get("standard_output")),
                    stderr_path=_clean(job.get("standard_error")), node_count=_number(job.get("node_count")),
-                   flags=flags, signal=signal)
+                   flags=flags, signal=signal, restarts=_number(job.get("restart_cnt")) or 0)
 
 
 SACCT_FORMAT = "JobID,State,ExitCode,NNodes,Reason"

@@ -3,6 +3,7 @@ through the ssh alias that `up` writes into ~/.ssh/config (as a user or the Slur
 
 from __future__ import annotations
 
+import os
 import random
 import subprocess
 import textwrap
@@ -101,3 +102,14 @@ def test_host_key_is_verified(slurm_loopback: LoopbackCluster, tmp_path: Path) -
                              capture_output=True, text=True, timeout=30)
     assert refused.returncode != 0
     assert "Host key verification failed" in refused.stderr, refused.stderr
+
+
+def test_jobs_lists_a_requeued_job_once_with_its_last_state(tmp_path: Path) -> None:
+    """jobcomp has a record per end of a job; `jobs` reads it without the cluster (no root needed)."""
+    (tmp_path / "jobcomp.txt").write_text(
+        "JobId=5 UserId=u(0) JobState=NODE_FAIL NodeCnt=2\nJobId=6 JobState=TIMEOUT NodeCnt=1\n"
+        "JobId=5 UserId=u(0) JobState=COMPLETED NodeCnt=2\n")
+    script = Path(__file__).parents[2] / "scripts" / "slurm-loopback"
+    listed = subprocess.run([str(script), "jobs"], capture_output=True, text=True,
+                            env={**os.environ, "SLURM_LOOPBACK_DIR": str(tmp_path)})
+    assert listed.stdout.splitlines() == ["5 COMPLETED 2", "6 TIMEOUT 1"], listed.stderr

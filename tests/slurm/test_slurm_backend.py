@@ -9,12 +9,12 @@ import signal
 import subprocess
 import sys
 import time
+import uuid
 from pathlib import Path
 
 import pytest
 
 from tasks.launch import train_task_for
-from tasks.plan import LaunchInputError, plan_run
 from tasks.types import SlurmSettings, StagedDataset, Topology
 from traincore.checkpoint.format import read_checkpoint
 from traincore.data.manifest import Manifest
@@ -27,12 +27,12 @@ PYFLYTE = str(Path(sys.executable).parent / "pyflyte")
 JOB_NAME = "flyte-torch-train"
 
 
-def pipeline(*args: str, cwd: Path, timeout: float = 420) -> subprocess.CompletedProcess:
+def pipeline(*args: str, cwd: Path, timeout: float = 420, **env: str) -> subprocess.CompletedProcess:
     """`pyflyte run workflows/pipeline.py training_pipeline ARGS` as a user runs it."""
     workflow = str(ROOT / "workflows" / "pipeline.py")
     # No local task cache: its entries would point into this test session's temporary staging directory
     # and outlive it in the user's ~/.flyte.
-    env = {**os.environ, "FLYTE_LOCAL_CACHE_ENABLED": "false"}
+    env = {**os.environ, "FLYTE_LOCAL_CACHE_ENABLED": "false", **env}
     return subprocess.run([PYFLYTE, "run", workflow, "training_pipeline", *args], cwd=cwd,
                           capture_output=True, text=True, timeout=timeout, env=env)
 
@@ -55,10 +55,14 @@ def test_pipeline_trains_on_two_nodes_and_shares_checkpoints_with_the_local_back
     assert local.returncode == 0, output(local)[-3000:]
 
     before = slurm_loopback.finished()
+    secret = f"not-a-real-key-{uuid.uuid4().hex}"  # reaches the job through sbatch's environment only
     slurm = pipeline("--backend", "slurm", "--slurm_target", slurm_loopback.alias, "--nnodes", "2",
-                     "--parallelism", "fsdp", "--max_steps", "20", *common, "1", cwd=tmp_path)
+                     "--parallelism", "fsdp", "--max_steps", "20", *common, "1", cwd=tmp_path,
+                     AWS_SECRET_ACCESS_KEY=secret)
     text = output(slurm)
     assert slurm.returncode == 0, text[-3000:]
+    [job] = new_jobs(slurm_loopback, before)
+    assert secret_files(job, secret) == (1, []), "the job's environment, and no file we wrote, holds it"
     assert "on 2 node(s)" in text and "resumed from step 10" in text and "trained 20 steps" in text, text
     assert "on slurm, fsdp" in text, text
     assert re.search(r"test accuracy: 0\.\d+", text), text
@@ -70,6 +74,18 @@ def test_pipeline_trains_on_two_nodes_and_shares_checkpoints_with_the_local_back
 
     back = pipeline("--max_steps", "30", *common, "2", cwd=tmp_path)
     assert back.returncode == 0 and "resumed from step 20" in output(back), output(back)[-3000:]
+
+
+def secret_files(job: int, secret: str) -> tuple[int, list[Path]]:
+    """How many of Slurm's own records of the job's environment hold ``secret`` (its state directory keeps
+    the job's environment while the job is remembered), and which files in the job's directory, its
+    script and logs included, do."""
+    state = Path(os.environ.get("SLURM_LOOPBACK_DIR", "/var/tmp/slurm-loopback")) / "spool" / "ctld"
+    records = [path for path in state.glob(f"hash.*/job.{job}/environment") if secret.encode() in
+               path.read_bytes()]
+    [job_dir] = {path.parent for path in (Path.home() / ".flyte-torch-pipeline" / "slurm-jobs").glob(
+        f"*/slurm-{job}.err")}
+    return len(records), [path for path in job_dir.iterdir() if secret.encode() in path.read_bytes()]
 
 
 def slurm_task(cluster_alias: str, nnodes: int = 1, nproc: int = 1, **settings: str):
@@ -89,28 +105,61 @@ def test_python_exception_in_the_job_fails_the_task_with_its_message(slurm_loopb
         task(config=too_big, dataset=dataset, checkpoint_root=str(tmp_path / "ckpt"))
     message = str(failure.value)
     assert "loader.batch_size=500 exceeds the 80 training samples" in message, message
-    assert re.search(r"Slurm job \d+ FAILED", message) and "the task failed: " in message, message
+    assert re.search(r"Slurm job \d+ FAILED, exit code 1\b", message), message
+    assert "first failure: node slb-node1 failed" in message, message
+    assert type(failure.value).__name__ == "FlyteUserException"  # a user error: no retry
     assert [state for state, _ in new_jobs(slurm_loopback, before).values()] == ["FAILED"]
 
 
-def start_long_run(cluster_alias: str, cwd: Path) -> subprocess.Popen:
+def start_long_run(cluster_alias: str, cwd: Path, job_name: str, *args: str) -> subprocess.Popen:
+    """A pipeline run that trains until stopped, as a Slurm job named ``job_name`` (this test's own)."""
     return subprocess.Popen(
         [PYFLYTE, "run", str(ROOT / "workflows" / "pipeline.py"), "training_pipeline", "--backend", "slurm",
-         "--slurm_target", cluster_alias, "--nproc_per_node", "1", "--max_steps", "100000"],
-        cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+         "--slurm_target", cluster_alias, "--slurm_sbatch_flags", f"--job-name={job_name}",
+         "--max_steps", "100000", *(args or ("--nproc_per_node", "1"))],
+        cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
+        env={**os.environ, "FLYTE_LOCAL_CACHE_ENABLED": "false"})
 
 
-def running_job(cluster, deadline_s: float = 120) -> int:
-    """The id of our training job once Slurm runs it and its Python processes are up."""
+def job_processes(job_id: int) -> dict[int, tuple[str, str]]:
+    """{pid: (node, command line)} of the processes of Slurm job ``job_id`` (their environment says so)."""
+    found = {}
+    for proc in Path("/proc").glob("[0-9]*"):
+        try:
+            items = (proc / "environ").read_text().split("\0")
+            command = (proc / "cmdline").read_text().replace("\0", " ")
+        except OSError:
+            continue
+        env = dict(item.split("=", 1) for item in items if "=" in item)
+        if env.get("SLURM_JOB_ID") == str(job_id):
+            found[int(proc.name)] = (env.get("SLURMD_NODENAME", ""), command)
+    return found
+
+
+def training_processes(job_id: int) -> dict[str, int]:
+    """{node: pid} of the process that trains on each node: the spawned worker under the node's torch
+    elastic agent, or pyflyte-execute itself where one process trains alone."""
+    processes = job_processes(job_id)
+    agents = {node: pid for pid, (node, command) in processes.items() if "pyflyte-execute" in command}
+    workers = {node: pid for pid, (node, command) in processes.items() if "spawn_main" in command}
+    return {**agents, **workers}
+
+
+def running_job(cluster, job_name: str, nodes: int, process: subprocess.Popen, deadline_s: float = 180,
+                workers: bool = False) -> int:
+    """The id of this test's job (by its unique name) once it trains on all its nodes (with spawned
+    workers when ``workers``)."""
     deadline = time.monotonic() + deadline_s
-    while time.monotonic() < deadline:
-        listed = cluster.ssh("squeue", "-h", "-n", JOB_NAME, "-t", "R", "-o", "%i", check=False).stdout
-        listed = listed.split()
-        procs = subprocess.run(["pgrep", "-f", "pyflyte-execute.*task-key"], capture_output=True, text=True)
-        if listed and procs.stdout.strip():
-            return int(listed[0])
+    while time.monotonic() < deadline and process.poll() is None:
+        listed = cluster.ssh("squeue", "-h", "-n", job_name, "-t", "R", "-o", "%i", check=False).stdout
+        if listed.split():
+            job = int(listed.split()[0])
+            processes = job_processes(job).values()
+            if len(training_processes(job)) == nodes and (
+                    not workers or sum("spawn_main" in command for _, command in processes) == nodes):
+                return job
         time.sleep(1)
-    raise AssertionError("the training job did not start running")
+    raise AssertionError(f"job {job_name} did not start running:\n{finish(process, timeout=10)[-3000:]}")
 
 
 def finish(process: subprocess.Popen, timeout: float = 120) -> str:
@@ -122,41 +171,69 @@ def finish(process: subprocess.Popen, timeout: float = 120) -> str:
     return output((out, err))
 
 
+def in_queue(cluster, job: int) -> bool:
+    return bool(cluster.ssh("squeue", "-h", "-j", str(job), check=False).stdout.strip())
+
+
 def test_scancel_from_outside_aborts_the_task(slurm_loopback, tmp_path):
-    process = start_long_run(slurm_loopback.alias, tmp_path)
-    job = running_job(slurm_loopback)
+    name = f"test-scancel-{uuid.uuid4().hex[:8]}"
+    process = start_long_run(slurm_loopback.alias, tmp_path, name)
+    job = running_job(slurm_loopback, name, 1, process)
     slurm_loopback.ssh("scancel", str(job))
     text = finish(process)
     assert process.returncode != 0, text[-3000:]
-    assert f"Slurm job {job} CANCELLED" in text, text[-3000:]
+    assert f"Slurm job {job} CANCELLED on {slurm_loopback.alias}" in text, text[-3000:]
+    assert "exit code" not in text.split(f"Slurm job {job} CANCELLED")[1].splitlines()[0]
     assert slurm_loopback.finished()[job][0] == "CANCELLED"
 
 
-def test_a_job_killed_on_its_node_fails_the_task_with_its_state(slurm_loopback, tmp_path):
-    process = start_long_run(slurm_loopback.alias, tmp_path)
-    job = running_job(slurm_loopback)
-    time.sleep(2)
-    subprocess.run(["pkill", "-KILL", "-f", "pyflyte-execute.*task-key"], check=True)  # an OOM kill, say
-    text = finish(process)
+def test_ctrl_c_cancels_the_job_and_says_so(slurm_loopback, tmp_path):
+    """flytekit's own Ctrl-C handler for connector tasks never runs the delete; the task's does."""
+    name = f"test-ctrl-c-{uuid.uuid4().hex[:8]}"
+    process = start_long_run(slurm_loopback.alias, tmp_path, name)
+    job = running_job(slurm_loopback, name, 1, process)
+    process.send_signal(signal.SIGINT)
+    stopped = time.monotonic()
+    while in_queue(slurm_loopback, job) and time.monotonic() - stopped < 30:
+        time.sleep(0.5)
+    assert not in_queue(slurm_loopback, job), f"job {job} still in squeue 30 s after Ctrl-C"
+    text = finish(process, timeout=30)
+    assert process.returncode == 130 and "Traceback" not in text, text[-3000:]
+    assert f"cancelled Slurm job {job} on {slurm_loopback.alias}" in text, text[-3000:]
+    assert slurm_loopback.finished()[job][0] == "CANCELLED"
+
+
+def test_a_worker_killed_in_a_two_node_job_is_named_with_its_rank_and_signal(slurm_loopback, tmp_path):
+    """The worker on the second node is SIGKILLed (an OOM kill, say): its node's agent and the other node's
+    worker both fail, and the error shows the kill, not the peer's broken collective; worker output is never
+    read as markup."""
+    name = f"test-kill-{uuid.uuid4().hex[:8]}"
+    process = start_long_run(slurm_loopback.alias, tmp_path, name, "--nnodes", "2", "--nproc_per_node", "1")
+    job = running_job(slurm_loopback, name, 2, process, workers=True)
+    time.sleep(3)  # a few steps in
+    os.kill(training_processes(job)["slb-node2"], signal.SIGKILL)
+    text = finish(process, timeout=180)
     assert process.returncode != 0, text[-3000:]
-    assert re.search(rf"Slurm job {job} FAILED.*exit code 137", text, re.S), text[-3000:]  # 128 + SIGKILL
-    assert slurm_loopback.finished()[job][0] == "FAILED"
+    assert "MarkupError" not in text, text[-3000:]
+    assert re.search(r"first failure: node slb-node2: rank \d was killed by SIGKILL", text), text[-5000:]
+    unwrapped = re.sub(r"\s*\n\s*", "", text)  # pyflyte's rich console folds long lines, paths too
+    assert re.search(r"last lines of\s*\S*/slurm-\d+-slb-node2\.err:", unwrapped), text[-5000:]
+    assert "FlyteRecoverableException" in text, text[-5000:]  # a lost worker: Flyte's retries apply
+    assert "a retry resumes from it" in text or "a retry starts from the beginning" in text, text[-5000:]
 
 
-PLAN = dict(source="digits", preset="digits", config_overrides="", epochs=0, max_steps=10, backend="slurm",
-            nnodes=1, nproc_per_node=1, gpus_per_node=0, accelerator="", max_restarts=0, parallelism="ddp",
-            checkpoint_uri="",
-            slurm_partition="", slurm_account="", slurm_time_limit="", slurm_sbatch_flags="", slurm_setup="")
-
-
-def test_plan_checks_the_cluster_before_anything_stages(slurm_loopback):
-    plan = plan_run(**PLAN | dict(slurm_target=slurm_loopback.alias, nnodes=2))
-    assert plan.topology.slurm.setup == f"source {sys.prefix}/bin/activate"  # this run's environment
-    with pytest.raises(LaunchInputError, match=r"nnodes=3 exceeds the 2 node\(s\) of the default partition"):
-        plan_run(**PLAN | dict(slurm_target=slurm_loopback.alias, nnodes=3))
-    with pytest.raises(LaunchInputError, match=r"no partition 'gpu'"):
-        plan_run(**PLAN | dict(slurm_target=slurm_loopback.alias, slurm_partition="gpu"))
+def test_submission_checks_the_cluster_and_names_the_input(slurm_loopback, synthetic_dir, tmp_path):
+    """The plan contacts nothing; the connector refuses what the cluster cannot run, before any job."""
+    dataset = StagedDataset.from_manifest(synthetic_dir, Manifest.load(synthetic_dir))
+    inputs = dict(config=preset("debug"), dataset=dataset, checkpoint_root=str(tmp_path / "ckpt"))
+    before = slurm_loopback.finished()
+    with pytest.raises(Exception, match=r"input nnodes=3 exceeds the 2 node\(s\) of the default partition"):
+        slurm_task(slurm_loopback.alias, nnodes=3)(**inputs)
+    with pytest.raises(Exception, match=r"input slurm_partition='gpu': .*no partition 'gpu'"):
+        slurm_task(slurm_loopback.alias, partition="gpu")(**inputs)
     started = time.monotonic()
-    with pytest.raises(LaunchInputError, match=r"slurm_target='127\.0\.0\.1'.*(refused|not known)"):
-        plan_run(**PLAN | dict(slurm_target="127.0.0.1"))  # no sshd on port 22 (or an unknown host key)
+    with pytest.raises(Exception, match=r"input slurm_target='127\.0\.0\.1'.*(refused|not known)"):
+        slurm_task("127.0.0.1")(**inputs)  # no sshd on port 22 (or an unknown host key)
     assert time.monotonic() - started < 30
+    assert new_jobs(slurm_loopback, before) == {}
+

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import sys
+
 import pytest
 import torch
 
@@ -167,3 +169,18 @@ def test_an_imagefolder_the_staging_would_refuse_fails_the_plan(image_folder_fac
     with pytest.raises(LaunchInputError, match=r"input source='imagefolder:.*' has images for only one "
                                                "class"):
         plan_run(**PLAN_DEFAULTS | dict(source=f"imagefolder:{root}"))
+
+
+def test_slurm_inputs_are_checked_as_given_without_contacting_the_cluster():
+    """A cluster's plan pod need not reach the login node: the connector checks the cluster at submission."""
+    slurm = PLAN_DEFAULTS | dict(backend="slurm", nproc_per_node=1, max_steps=5, nnodes=64,
+                                 slurm_target="login.no-such-cluster.invalid", slurm_partition="nowhere")
+    plan = plan_run(**slurm)  # an unresolvable host and a partition nobody has: not this task's business
+    assert plan.topology.slurm.target == "login.no-such-cluster.invalid" and plan.topology.nnodes == 64
+    assert plan.topology.slurm.setup == f"source {sys.prefix}/bin/activate"  # a local run's own environment
+    with pytest.raises(LaunchInputError, match=r"input backend='slurm' needs slurm_target"):
+        plan_run(**slurm | dict(slurm_target=""))
+    with pytest.raises(LaunchInputError, match=r"input slurm_target='two words'"):
+        plan_run(**slurm | dict(slurm_target="two words"))
+    with pytest.raises(LaunchInputError, match=r"input slurm_sbatch_flags='--comment=.open' is not valid"):
+        plan_run(**slurm | dict(slurm_sbatch_flags='--comment="open'))

@@ -64,7 +64,7 @@ PROGRESS_EVERY = 10_000  # files listed between progress lines
 # What to set when an object store finds no credentials (the message names the location as well).
 CREDENTIALS_FIX = ("for s3://, set AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY (with AWS_ENDPOINT_URL for an "
                    "S3-compatible store such as MinIO), or AWS_PROFILE with ~/.aws/credentials; the "
-                   "stage_dataset task also takes the store settings Flyte gives its tasks, "
+                   "Flyte tasks (plan_run, stage_dataset) also take the store settings Flyte gives them, "
                    "FLYTE_AWS_ACCESS_KEY_ID, FLYTE_AWS_SECRET_ACCESS_KEY and FLYTE_AWS_ENDPOINT")
 # Listing fields that change when a file's bytes do, most specific first: object stores' ETags and
 # checksums (s3fs, gcsfs, http), then modification times (local, s3fs, gcsfs), then the memory filesystem's

@@ -54,8 +54,9 @@ EXPECTED = {
     "COMPLETING": R, "RESIZING": R,
     "COMPLETED": S,
     "CANCELLED": A, "REVOKED": A,
-    "FAILED": F, "TIMEOUT": F, "OUT_OF_MEMORY": F, "SPECIAL_EXIT": F,
-    "DEADLINE": T, "NODE_FAIL": T, "PREEMPTED": T, "BOOT_FAIL": T, "LAUNCH_FAILED": T, "RECONFIG_FAIL": T,
+    "FAILED": F, "OUT_OF_MEMORY": F, "SPECIAL_EXIT": F,
+    "TIMEOUT": T, "DEADLINE": T, "NODE_FAIL": T, "PREEMPTED": T, "BOOT_FAIL": T, "LAUNCH_FAILED": T,
+    "RECONFIG_FAIL": T,
 }
 BASE_STATES = {"PENDING", "RUNNING", "SUSPENDED", "COMPLETED", "CANCELLED", "FAILED", "TIMEOUT", "NODE_FAIL",
                "PREEMPTED", "BOOT_FAIL", "DEADLINE", "OUT_OF_MEMORY"}
@@ -186,7 +187,7 @@ def test_no_state_at_all_is_an_error():
     ("scontrol-cancelled-22.05.8.txt", "CANCELLED", A, 0, None),
     ("scontrol-running-22.05.8.txt", "RUNNING", R, 0, None),
     ("scontrol-pending-22.05.8.txt", "PENDING", Q, 0, "Resources"),
-    ("scontrol-timeout-constructed.txt", "TIMEOUT", F, 0, "TimeLimit"),
+    ("scontrol-timeout-constructed.txt", "TIMEOUT", T, 0, "TimeLimit"),
 ])
 def test_captured_scontrol_lines(name, state, outcome, exit_code, reason):
     info = parse_scontrol_text(read(name))
@@ -195,6 +196,14 @@ def test_captured_scontrol_lines(name, state, outcome, exit_code, reason):
     assert info.stdout_path and info.stdout_path.startswith("/")
     assert info.stderr_path and info.stderr_path.startswith("/")
     assert info.node_count and info.node_count >= 1
+
+
+def test_restart_count_is_read_from_text_and_json():
+    assert parse_scontrol_text(read("scontrol-running-22.05.8.txt")).restarts == 0
+    requeued = read("scontrol-pending-22.05.8.txt").replace("Restarts=0", "Restarts=2")
+    assert parse_scontrol_text(requeued).restarts == 2
+    document = {"jobs": [{"job_id": 9, "job_state": ["PENDING"], "restart_cnt": 1}]}
+    assert parse_scontrol_json(json.dumps(document), "9").restarts == 1
 
 
 def test_captured_cancelled_running_job_has_signal():
@@ -346,6 +355,7 @@ class FakeLoginNode:
     home: Path
     responses: list[tuple[str, Handler]] = field(default_factory=list)
     commands: list[str] = field(default_factory=list)
+    inputs: list[str] = field(default_factory=list)  # what sbatch commands got on stdin
     port: int = 0
 
     def on(self, prefix: str, stdout: str = "", stderr: str = "", status: int = 0,
@@ -356,6 +366,8 @@ class FakeLoginNode:
     async def _process(self, process: asyncssh.SSHServerProcess) -> None:
         command = process.command or ""
         self.commands.append(command)
+        if "sbatch --parsable" in command:  # the client feeds it the job's environment, then EOF
+            self.inputs.append(await process.stdin.read())
         for prefix, handler in self.responses:
             if prefix in command:
                 answer = handler(command)
@@ -543,11 +555,16 @@ def test_submit_uploads_the_script_and_returns_the_id(ssh_home, tmp_path):
         node.on("sbatch --parsable", "warning: something harmless\n4242;loopback\n")
         async with SlurmClient(SlurmTarget("fake-slurm")) as slurm:
             job_id = await slurm.submit("#!/bin/bash\necho hi\n", str(remote),
-                                        ["--nodes", "2", "--job-name", "a b"])
+                                        ["--nodes", "2", "--job-name", "a b"],
+                                        {"AWS_SECRET_ACCESS_KEY": "s3cr3t-value"})
+            with pytest.raises(ValueError, match="'BAD NAME'"):
+                await slurm.submit("#!/bin/bash\n", str(remote), [], {"BAD NAME": "x"})
         assert job_id == "4242"
         command = node.commands[-1]
-        expected = f"cd {remote} && sbatch --parsable --nodes 2 --job-name 'a b' job-"
-        assert command.startswith(expected)
+        assert command.startswith(f"cd {remote} && while IFS= read -r assignment; do export ")
+        assert "&& sbatch --parsable --nodes 2 --job-name 'a b' job-" in command
+        # The value travels on the channel's stdin, never in a command line or a file.
+        assert node.inputs == ["AWS_SECRET_ACCESS_KEY=s3cr3t-value\n"] and "s3cr3t" not in command
         [script] = remote.glob("job-*.sbatch")
         assert script.read_text() == "#!/bin/bash\necho hi\n"
 

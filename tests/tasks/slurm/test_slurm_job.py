@@ -2,21 +2,35 @@
 
 from __future__ import annotations
 
+import os
 import re
 import subprocess
 import sys
 import tarfile
 from pathlib import Path
 
+import pytest
 from flyteidl.admin import task_pb2
 from flyteidl.core import errors_pb2
 from flytekit.core import utils
+from google.protobuf import timestamp_pb2
 from google.protobuf.json_format import MessageToDict
 
-from tasks.slurm.connector import PHASES, SLURM_TASK_TYPE, ssh_target
-from tasks.slurm.job import batch_script, main, sbatch_args
-from tasks.slurm.states import Outcome
+from tasks.slurm.connector import PHASES, SLURM_TASK_TYPE, forwarded_env, ssh_target
+from tasks.slurm.job import (
+    SIGNAL_MARGIN_S,
+    TaskFailure,
+    batch_script,
+    job_outcome,
+    main,
+    sbatch_args,
+    task_failures,
+)
+from tasks.slurm.report import headline, resume_note
+from tasks.slurm.states import JobInfo, Outcome, classify_states
 from tasks.types import SlurmSettings, Topology
+from traincore.checkpoint.layout import MARKER
+from traincore.preemption import PREEMPTED_EXIT_CODE
 
 ROOT = Path(__file__).resolve().parents[3]
 ENTRYPOINT = ["pyflyte-execute", "--inputs", "/shared/x/inputs.pb", "--output-prefix", "/shared/x",
@@ -27,16 +41,18 @@ def test_sbatch_flags_carry_nodes_gpus_and_every_launch_input():
     topology = Topology(backend="slurm", nnodes=4, nproc_per_node=8, gpus_per_node=8,
                         slurm=SlurmSettings(target="hpc", partition="gpu", account="proj42",
                                             time_limit="02:00:00", sbatch_flags="--qos=high --exclusive"))
-    args = sbatch_args(topology)
+    args = sbatch_args(topology, grace_s=20.5)
     assert args[:2] == ["--nodes=4", "--ntasks-per-node=1"]
+    # the warning signal reaches the steps (no "B:") the grace, rounded up, plus a margin before the limit
+    assert f"--signal=TERM@{21 + SIGNAL_MARGIN_S}" in args and "--open-mode=append" in args
     for flag in ("--gres=gpu:8", "--partition=gpu", "--account=proj42", "--time=02:00:00", "--qos=high",
                  "--exclusive"):
         assert flag in args
-    cpu = sbatch_args(Topology(backend="slurm", slurm=SlurmSettings(target="hpc")))
+    cpu = sbatch_args(Topology(backend="slurm", slurm=SlurmSettings(target="hpc")), grace_s=20.0)
     assert not any(arg.startswith(("--gres", "--partition", "--account", "--time")) for arg in cpu)
 
 
-def test_batch_script_runs_setup_then_one_agent_per_node_then_the_verdict():
+def test_batch_script_runs_setup_then_one_agent_per_node_with_its_verdict():
     topology = Topology(backend="slurm", nnodes=2, nproc_per_node=3,
                         slurm=SlurmSettings(target="hpc",
                                             setup="module load cuda/12\nsource ~/venv/bin/activate"))
@@ -46,9 +62,12 @@ def test_batch_script_runs_setup_then_one_agent_per_node_then_the_verdict():
     setup = lines.index("module load cuda/12")
     srun = next(i for i, line in enumerate(lines) if line.startswith("srun"))
     assert setup < lines.index("export PET_NNODES=2") < srun
-    assert lines[srun].startswith("srun --nodes=2 --ntasks-per-node=1 --kill-on-bad-exit=1 pyflyte-execute")
-    assert "'{\"a\": \"b c\"}'" in lines[srun]  # the task key stays one argument
-    assert lines[srun + 1] == "python -m tasks.slurm.job /shared/x"
+    assert lines[srun].startswith("srun --nodes=2 --ntasks-per-node=1 --kill-on-bad-exit=1 "
+                                  "--error=slurm-%j-%N.err --open-mode=append")
+    assert lines[srun + 1].startswith("    bash -c 'node_task \"$@\"' node pyflyte-execute")
+    assert "'{\"a\": \"b c\"}'" in lines[srun + 1]  # the task key stays one argument
+    assert '    "$@" && python -m tasks.slurm.job --node "$SLURMD_NODENAME" /shared/x' in lines
+    assert "export FLYTE_INTERNAL_DIST_ERROR_STRATEGY=Earliest" in lines
     assert 'PET_RDZV_ENDPOINT="${head_addr:-$head_node}:$rdzv_port"' in script
     result = subprocess.run(["bash", "-n"], input=script, text=True, capture_output=True)
     assert result.returncode == 0, result.stderr
@@ -58,12 +77,78 @@ def test_every_outcome_has_a_flyte_phase():
     assert set(PHASES) == set(Outcome)
 
 
-def test_verdict_fails_the_job_only_when_the_task_wrote_an_error(tmp_path, capsys):
-    assert main([str(tmp_path)]) == 0
-    document = errors_pb2.ErrorDocument(error=errors_pb2.ContainerError(message="ValueError: bad batch"))
-    utils.write_proto_to_file(document, str(tmp_path / "error.pb"))
-    assert main([str(tmp_path)]) == 1
-    assert "the task failed: ValueError: bad batch" in capsys.readouterr().err
+TORCH_FAILURE = """Root Cause (first observed failure):
+[0]:
+  time      : 2026-11-26_01:09:37
+  host      : slb-node2
+  rank      : {rank} (local_rank: 0)
+  exitcode  : {code} (pid: 31879)
+  error_file: <N/A>
+"""
+
+
+def write_error(prefix: Path, node: str, message: str, seconds: int, recoverable: bool = True) -> None:
+    kind = errors_pb2.ContainerError.RECOVERABLE if recoverable else errors_pb2.ContainerError.NON_RECOVERABLE
+    error = errors_pb2.ContainerError(message=message, kind=kind, worker=node,
+                                      timestamp=timestamp_pb2.Timestamp(seconds=seconds))
+    utils.write_proto_to_file(errors_pb2.ErrorDocument(error=error), str(prefix / f"error-{node}.pb"))
+
+
+def test_the_worker_a_signal_killed_is_the_first_failure_though_its_peer_reported_earlier(tmp_path):
+    write_error(tmp_path, "slb-node1", "DistBackendError: Connection closed by peer", seconds=100)
+    write_error(tmp_path, "slb-node2", "worker lost:\n" + TORCH_FAILURE.format(rank=1, code=-9), seconds=101)
+    first, second = task_failures(str(tmp_path))
+    assert (first.node, first.worker_signal, first.summary()) == (
+        "slb-node2", (1, "SIGKILL"), "node slb-node2: rank 1 was killed by SIGKILL")
+    assert (second.node, second.worker_signal) == ("slb-node1", None)
+    assert second.summary() == "node slb-node1 failed"
+
+
+def test_a_node_fails_its_task_with_75_when_recoverable_and_1_when_not(tmp_path, capsys):
+    assert main(["--node", "slb-node1", str(tmp_path)]) == 0
+    write_error(tmp_path, "slb-node1", "ValueError: bad batch", seconds=5, recoverable=False)
+    write_error(tmp_path, "slb-node2", "preempted at step 7 by SIGTERM", seconds=5)
+    assert main(["--node", "slb-node1", str(tmp_path)]) == 1
+    assert "the task failed (node slb-node1 failed): ValueError: bad batch" in capsys.readouterr().err
+    assert main(["--node", "slb-node2", str(tmp_path)]) == PREEMPTED_EXIT_CODE
+    assert main(["--clear", str(tmp_path)]) == 0 and not list(tmp_path.iterdir())
+
+
+def job(state: str, exit_code: int = 0, **extra) -> JobInfo:
+    outcome = classify_states([state])[2]
+    return JobInfo(job_id="12", state=state, outcome=outcome, exit_code=exit_code, **extra)
+
+
+@pytest.mark.parametrize("info, failures, expected", [
+    (job("TIMEOUT"), [], Outcome.RETRYABLE),
+    (job("PREEMPTED"), [], Outcome.RETRYABLE),
+    (job("NODE_FAIL"), [], Outcome.RETRYABLE),
+    (job("FAILED", PREEMPTED_EXIT_CODE), [], Outcome.RETRYABLE),  # a worker that was preempted
+    (job("FAILED", 1), [TaskFailure("n1", 0.0, True, "preempted at step 4 by SIGTERM")], Outcome.RETRYABLE),
+    (job("FAILED", 1), [TaskFailure("n1", 0.0, False, "ValueError: x")], Outcome.FAILED),
+    (job("FAILED", 1), [], Outcome.FAILED),
+    (job("CANCELLED"), [], Outcome.ABORTED),
+    (job("COMPLETED"), [], Outcome.SUCCEEDED),
+])
+def test_outcome_comes_from_the_state_and_the_nodes_markers_not_from_text(info, failures, expected):
+    assert job_outcome(info, failures) is expected
+
+
+def test_headline_gives_an_exit_code_only_where_it_means_something():
+    assert headline(job("CANCELLED", signal=15), "hpc") == "Slurm job 12 CANCELLED on hpc"
+    assert headline(job("TIMEOUT", reason="TimeLimit"), "hpc") == "Slurm job 12 TIMEOUT (TimeLimit) on hpc"
+    assert headline(job("FAILED", 3), "hpc") == "Slurm job 12 FAILED, exit code 3 on hpc"
+    assert headline(job("FAILED", 0, signal=9), "hpc") == "Slurm job 12 FAILED, killed by SIGKILL on hpc"
+
+
+def test_a_retryable_failure_names_the_step_a_retry_resumes_from(tmp_path):
+    root = tmp_path / "ckpt"
+    assert "no complete checkpoint in" in resume_note(str(root))
+    for step in (10, 20):
+        (root / f"step-{step:06d}").mkdir(parents=True)
+    (root / "step-000010" / MARKER).write_text("{}")
+    assert resume_note(str(root)) == f"latest complete checkpoint: step 10 in {root}; a retry resumes from it"
+    assert "latest complete checkpoint in the checkpoint root" in resume_note("s3://bucket/run")
 
 
 def test_slurm_task_serialises_with_pyflyte_package_and_carries_no_secret(tmp_path):
@@ -77,8 +162,10 @@ def test_slurm_task_serialises_with_pyflyte_package_and_carries_no_secret(tmp_pa
         "    slurm=SlurmSettings(target='hpc-login', partition='batch', setup='module load python')),\n"
         "    Config())\n")
     out = tmp_path / "pkg.tgz"
+    secret = "not-a-real-secret-0123456789"  # in the packaging process's environment, never in the spec
     subprocess.run([str(Path(sys.executable).parent / "pyflyte"), "--pkgs", "slurm_example", "package",
-                    "--image", "example:1", "-o", str(out)], cwd=tmp_path, check=True, capture_output=True)
+                    "--image", "example:1", "-o", str(out)], cwd=tmp_path, check=True, capture_output=True,
+                   env={**os.environ, "FLYTE_AWS_SECRET_ACCESS_KEY": secret, "AWS_SECRET_ACCESS_KEY": secret})
     with tarfile.open(out) as archive:
         (member,) = [m for m in archive.getmembers() if "train-slurm-2x1" in m.name]
         spec = task_pb2.TaskSpec.FromString(archive.extractfile(member).read())
@@ -89,7 +176,7 @@ def test_slurm_task_serialises_with_pyflyte_package_and_carries_no_secret(tmp_pa
         "target": "hpc-login", "partition": "batch", "account": "", "time_limit": "", "sbatch_flags": "",
         "setup": "module load python"}
     text = str(spec)
-    secrets = ("PRIVATE KEY", "id_ed25519", "id_rsa", "IdentityFile", "password")
+    secrets = ("PRIVATE KEY", "id_ed25519", "id_rsa", "IdentityFile", "password", secret)
     assert not any(word in text for word in secrets)
 
 
@@ -107,3 +194,9 @@ def test_a_mounted_flyte_secret_is_the_only_key_offered(tmp_path, monkeypatch):
     (tmp_path / "slurm").mkdir()
     (tmp_path / "slurm" / "ssh_key").write_text("-----BEGIN OPENSSH PRIVATE KEY-----\n")
     assert ssh_target("hpc-login").key_file == str(tmp_path / "slurm" / "ssh_key")
+
+
+def test_only_object_store_settings_are_forwarded_to_the_job():
+    environ = {"AWS_SECRET_ACCESS_KEY": "k", "FLYTE_AWS_ENDPOINT": "http://s3", "HOME": "/root",
+               "WANDB_API_KEY": "w", "MY_AWS_THING": "x"}
+    assert forwarded_env(environ) == {"AWS_SECRET_ACCESS_KEY": "k", "FLYTE_AWS_ENDPOINT": "http://s3"}
