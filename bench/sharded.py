@@ -7,7 +7,7 @@ the optimizer state exists), the run's Checkpointer saves the state registry (``
 ``--repeats`` times per mode:
 
   naive (sync)          the whole state gathered onto rank 0 (full_state_dict), which writes state.pt alone
-  dcp                   every rank writes its own shards (traincore.checkpoint.dcp: checksummed, direct I/O)
+  dcp                   every rank writes its own shards (torch's FileSystemWriter, then checksummed)
   async                 dcp.async_save with our SnapshotStager, the copy overlapping the next forward/backward
 and, on the same state, two rows of torch's own pieces with nothing of ours (no checksums, no commit marker):
   dcp, torch writer     dcp.save with FileSystemWriter(thread_count=2, single_file_per_rank, sync_files)
@@ -462,7 +462,7 @@ def ratios_of(saves: list[dict], steps: list[dict], ckpt: list[dict]) -> dict[st
             "dcp/naive committed": by_mode["dcp"]["committed_vs_naive"],
             "async/naive committed": by_mode["async"]["committed_vs_naive"],
             "dcp/naive rank-0 RSS increase": by_mode["dcp"]["rss_increase_vs_naive"],
-            "ours/torch dcp committed (our writer / FileSystemWriter)":
+            "ours/torch dcp committed (checksums and marker / FileSystemWriter)":
                 by_mode["dcp"]["committed_s"] / by_mode["dcp, torch writer"]["committed_s"],
             "ours/torch async stall (SnapshotStager / DefaultStager)":
                 stall("async") / stall("async, torch stager"),

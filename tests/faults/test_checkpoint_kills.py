@@ -2,8 +2,10 @@
 
 Each case runs a child process (a script this module writes) that trains a tiny registry, saves at steps 2,
 4, 6 with ``keep_last=2`` and kills itself with SIGKILL inside the save of step 8, at one named point:
-patching one function of our own modules in that child only. dcp and async also run on 2 ranks (gloo),
-where one rank dies and the launcher takes the other down. The parent then checks, before anything resumes:
+patching one function of our own modules in that child only (DCP's files: our FileSystemWriter
+subclass, after this rank's data file is written and before DCP's .metadata is). dcp and async also run on
+2 ranks (gloo), where one rank dies and the launcher takes the other down. The parent then checks, before
+anything resumes:
 
 * the torn step 8 is not complete (or, for kills during pruning, it is and the step being pruned is torn);
 * every step that was complete before the save (but the one pruning was deleting) is still complete and
@@ -86,9 +88,24 @@ def die(where):
 
 def arm(point):
     """Patch the function of our own module where ``point`` lies, to SIGKILL this process there."""
-    if point in ("data", "extra", "metadata"):  # inside ChecksumWriter.write of that file
-        names = {"data": (".state.pt.tmp", ".distcp"), "extra": (".extra.pt.tmp",),
-                 "metadata": (".metadata.tmp",)}[point]
+    if point in ("data", "metadata") and args.mode != "sync":  # torch's writer writes DCP's files
+        from traincore.checkpoint import dcp as checkpoint_dcp
+        writer = checkpoint_dcp.CheckedFileSystemWriter
+        write_data, finish = writer.write_data, writer.finish
+
+        def killing_write_data(self, plan, planner):  # this rank's data file written, nothing after it
+            written = write_data(self, plan, planner)
+            if self.directory == TARGET and point == "data":
+                die(sorted(TARGET.glob(f"__{rank}_*.distcp"))[-1])
+            return written
+
+        def killing_finish(self, metadata, results):  # every data file written, .metadata not begun
+            if self.directory == TARGET:
+                die(self.directory)
+            finish(self, metadata, results)
+        writer.write_data, writer.finish = killing_write_data, killing_finish
+    elif point in ("data", "extra"):  # inside ChecksumWriter.write of that file
+        names = {"data": (".state.pt.tmp",), "extra": (".extra.pt.tmp",)}[point]
         write = checkpoint_writer.ChecksumWriter.write
 
         def killing_write(self, data):
@@ -247,10 +264,13 @@ def check_torn_state(case: Case, before: list[int], after: list[int], kill: dict
     if case.point == "data":
         torn_file = Path(kill["where"])
         if torn_file.exists():
-            assert torn_file.stat().st_size >= 1 << 16, where  # a block of it reached the disk
+            # sync: a block of state.pt reached the disk; dcp: the rank's file, written by torch's writer
+            assert torn_file.stat().st_size >= (1 << 16 if case.mode == "sync" else 1), where
         else:
             assert survivor_cleans, where
-    expected = {"extra": ".extra.pt.tmp", "metadata": ".metadata.tmp", "publish-state": ".state.pt.tmp",
+    if case.point == "metadata":  # every rank's data is written, DCP's index is not
+        assert ".metadata" not in names and any(name.endswith(".distcp") for name in names), where
+    expected = {"extra": ".extra.pt.tmp", "publish-state": ".state.pt.tmp",
                 "marker-publish": f".{MARKER}.tmp"}.get(case.point)
     if expected:
         assert expected in names, where

@@ -8,9 +8,9 @@ the torn directory is gone (rank 0 deletes it, freeing its space) and nothing wi
 complete; once space is freed, the same checkpointer saves again. Without a mountable tmpfs the tests fail
 in CI (CI=true) and are skipped elsewhere, with the reason.
 
-DCP writes a rank's files from two threads, and drops an error raised in its extra thread: the save went
-on to commit a marker over a partial file. A case injects ENOSPC into each of the two threads (our own
-writer's open, in this process) to show that either fails the save.
+DCP's files are written by torch's FileSystemWriter with one writer thread (DCP drops the errors of its
+extra threads, so a save could commit a marker over a partial file); its ENOSPC reaches the save as the
+same CheckpointWriteError, naming the .distcp or .metadata file.
 """
 
 from __future__ import annotations
@@ -18,17 +18,14 @@ from __future__ import annotations
 import errno
 import os
 import re
-import threading
 import time
 from pathlib import Path
 
 import pytest
 from faultlib import TinyRun, mount_tmpfs, unmount
 
-from traincore.checkpoint import writer as checkpoint_writer
 from traincore.checkpoint.checkpointer import Checkpointer
 from traincore.checkpoint.layout import (
-    MARKER,
     CheckpointError,
     complete_steps,
     remove_step,
@@ -38,9 +35,7 @@ from traincore.checkpoint.layout import (
 from traincore.config import CheckpointConfig
 from traincore.state import RNGState
 
-# DCP's writer thread that hits the full disk dies with the error (DCP lets it): pytest reports that thread.
-pytestmark = [pytest.mark.filterwarnings("ignore:torch.distributed is disabled"),
-              pytest.mark.filterwarnings("ignore::pytest.PytestUnhandledThreadExceptionWarning")]
+pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
 
 NO_SPACE = re.compile(r"no space left on device while writing (\S+): free space or choose another checkpoint "
                       r"root")
@@ -131,34 +126,3 @@ def test_checkpointing_into_a_full_disk(small_disk, mode, request):
     print(f"[disk-full] mode={mode} tmpfs size={size}: {len(saved)} checkpoints of "
           f"{sum(f.stat().st_size for f in step_dir(root, run.step).iterdir()) / 1024:.0f} KiB fitted; "
           f"save of step {run.step} failed writing {failed_file.name}; {time.perf_counter() - start:.1f} s")
-
-
-@pytest.mark.parametrize("thread", ["DCP's extra writer thread", "the calling thread"])
-def test_no_space_in_either_dcp_writer_thread_fails_the_save(tmp_path, monkeypatch, thread):
-    calling = threading.current_thread()
-    open_direct = checkpoint_writer._open_direct
-    failed = []
-
-    def open_on_a_full_disk(path):
-        ours = (threading.current_thread() is calling) == (thread == "the calling thread")
-        path = Path(path)
-        if ours and path.suffix == ".distcp" and path.parent.name == "step-000002" and not failed:
-            failed.append(path)
-            raise OSError(errno.ENOSPC, "No space left on device")  # as a filesystem out of inodes says
-        return open_direct(path)
-
-    monkeypatch.setattr(checkpoint_writer, "_open_direct", open_on_a_full_disk)
-    run = TinyRun(width=32)
-    checkpointer = Checkpointer(tmp_path, CheckpointConfig(mode="dcp"), run.registry)
-    run.train_step()
-    checkpointer.save(1)
-    run.train_step()
-    with pytest.raises(CheckpointError) as error:
-        checkpointer.save(2)
-    checkpointer.close()
-    assert failed, f"no .distcp file was written from {thread}"
-    assert str(error.value) == (f"no space left on device while writing {failed[0]}: free space or choose "
-                                "another checkpoint root")
-    assert complete_steps(tmp_path) == [1] and not step_dir(tmp_path, 2).exists()
-    assert not any((p / MARKER).exists() and p.name == "step-000002" for p in tmp_path.iterdir())
-    verify_checkpoint(step_dir(tmp_path, 1))

@@ -4,8 +4,9 @@ The checkpointer is handed a :class:`~traincore.state.StateRegistry` and never l
 it saves the registry's shared state and gathers every rank's per-rank state. ``sync`` writes one
 ``state.pt`` from rank 0; ``dcp`` and ``async`` write a torch.distributed.checkpoint directory, every rank
 its own part. The layout, the commit marker and the checksums are :mod:`traincore.checkpoint.layout`; what the
-files hold is :mod:`traincore.checkpoint.format`. Every rank checksums the files it writes while writing
-them; rank 0 gathers the checksums and writes the marker last, once every rank's writes are done.
+files hold is :mod:`traincore.checkpoint.format`. Our own files are checksummed while written; DCP's are
+written by torch's FileSystemWriter and read back once, each rank a share of them. Rank 0 gathers the
+checksums and writes the marker last, once every rank's writes are done.
 
 Resume takes the latest complete checkpoint. If ``verify_on_load`` finds one of its files corrupt (checksum
 mismatch or truncated, or a damaged commit marker), a warning names the file and loading FALLS BACK to the
@@ -41,9 +42,11 @@ resumes on any world size.
 from __future__ import annotations
 
 import logging
+import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
+from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
@@ -58,15 +61,19 @@ from traincore.checkpoint.layout import (
     STATE_FILE,
     CheckpointError,
     CorruptCheckpointError,
+    checksum_share,
+    clear_step,
     complete_steps,
+    foreign_entries,
     prune,
     read_marker,
     remove_step,
     step_dir,
     verify_checkpoint,
+    write_error,
     write_marker,
 )
-from traincore.checkpoint.writer import failing_save, save_file, serialize, write_bytes
+from traincore.checkpoint.writer import save_file, serialize, write_bytes
 from traincore.config import CheckpointConfig
 
 if TYPE_CHECKING:  # traincore.state imports DCP's state-dict helpers
@@ -149,10 +156,13 @@ class Checkpointer:
         dist.gather_object(obj, out, dst=0, group=self._group)
         return out
 
-    def maybe_save(self, step: int, last_step: bool) -> None:
-        """Save at every ``cfg.every``-th step and at the last one: the one place this rule lives."""
-        if (self.cfg.every and step % self.cfg.every == 0) or last_step:
+    def maybe_save(self, step: int, last_step: bool) -> bool:
+        """Save at every ``cfg.every``-th step and at the last one (the one place this rule lives); True when
+        a save of ``step`` began."""
+        due = bool(self.cfg.every and step % self.cfg.every == 0) or last_step
+        if due:
             self.save(step)
+        return due
 
     def save(self, step: int) -> None:
         """Write ``<root>/step-{step:06d}/``; returns once training may go on (async: once the copy of the
@@ -163,54 +173,57 @@ class Checkpointer:
         # sync: the naive way, the whole state gathered onto rank 0, which writes it alone
         shared = self.registry.shared_state(full=self.cfg.mode == "sync")
         per_rank = self._gather(self.registry.rank_state())
-        if self.rank == 0:
-            remove_step(directory)  # a torn (or superseded) leftover of the same step
-            directory.mkdir(parents=True)
-        self._barrier()  # no rank writes before the leftover is gone
+        # no rank writes before the leftover is gone; an entry that is not ours stops every rank
+        error = self._broadcast(self._make_dir(directory) if self.rank == 0 else None)
+        if error:
+            raise CheckpointError(error)
         with failing_save(directory, discard=self.rank == 0):  # e.g. a full disk: the error names the file
-            checksums, finish = self._write(directory, step, shared, per_rank)
+            finish = self._write(directory, step, shared, per_rank)
         blocking = time.perf_counter() - start
         log.info("checkpoint step=%d mode=%s blocking=%.3fs", step, self.cfg.mode, blocking)
-        if finish is None:
-            self._commit(directory, step, start, blocking, checksums)
+        if self._executor is None:
+            self._commit(directory, step, start, blocking, finish)
             self._barrier()  # no rank goes on (or reads it) before the marker exists
         else:
-            self._pending = self._executor.submit(self._commit, directory, step, start, blocking, checksums,
-                                                  finish)
+            self._pending = self._executor.submit(self._commit, directory, step, start, blocking, finish)
+
+    @staticmethod
+    def _make_dir(directory: Path) -> str | None:
+        """Rank 0: replace a torn (or superseded) leftover of the step by an empty directory; the error."""
+        try:
+            clear_step(directory)
+            directory.mkdir(parents=True)
+        except CheckpointError as exc:
+            return str(exc)
+        except OSError as exc:
+            return str(write_error(exc, directory))
+        return None
 
     def _write(self, directory: Path, step: int, shared: dict, per_rank: list | None
-               ) -> tuple[dict[str, dict], Callable[[], None] | None]:
-        """Write this rank's part (async: start to); returns the checksums of this rank's files and, for
-        async, what finishes the writes.
-
-        DCP's writer threads add a file's checksum when they close it: the dict is complete once the
-        writes are.
-        """
+               ) -> Callable[[], dict[str, dict]]:
+        """Write this rank's part (async: start to); returns what finishes the writes and returns the
+        checksums of this rank's files (async: run by the commit thread)."""
         if self.cfg.mode == "sync":
-            if self.rank != 0:
-                return {}, None
             payload = {"step": step, "shared": shared, "per_rank": per_rank}
-            return {STATE_FILE: save_file(payload, directory / STATE_FILE)}, None
+            checksums = {STATE_FILE: save_file(payload, directory / STATE_FILE)} if self.rank == 0 else {}
+            return lambda: checksums
         from traincore.checkpoint.dcp import save_tensors
 
         tensors, rest = split_tensors(shared)
-        extra = {"step": step, "shared": rest, "per_rank": per_rank} if self.rank == 0 else None
-        checksums: dict[str, dict] = {}
-        if self.cfg.mode == "dcp":
-            if extra is not None:
-                checksums[EXTRA_FILE] = save_file(extra, directory / EXTRA_FILE)
-            save_tensors(tensors, directory, checksums, self._group)
-            return checksums, None
         # The non-tensor state is serialised now, while it is the state at this step; written later.
-        extra_bytes = None if extra is None else serialize(extra)
-        response = save_tensors(tensors, directory, checksums, self._group, self._stager)
-        self._hold_optimizer_steps(self._stager.snapshot)
+        extra = serialize({"step": step, "shared": rest, "per_rank": per_rank}) if self.rank == 0 else None
+        response = save_tensors(tensors, directory, self.rank, self._group, self._stager)
+        if response is not None:
+            self._hold_optimizer_steps(self._stager.snapshot)
 
-        def finish() -> None:
-            response.upload_completion.result()  # every rank's data and DCP's .metadata are written
-            if extra_bytes is not None:
-                checksums[EXTRA_FILE] = write_bytes(extra_bytes, directory / EXTRA_FILE)
-        return checksums, finish
+        def finish() -> dict[str, dict]:
+            if response is not None:
+                response.upload_completion.result()  # every rank's data and DCP's .metadata are written
+            checksums = checksum_share(directory, self.rank, self.world_size)
+            if extra is not None:
+                checksums[EXTRA_FILE] = write_bytes(extra, directory / EXTRA_FILE)
+            return checksums
+        return finish
 
     def _hold_optimizer_steps(self, snapshot: Future) -> None:
         """Make the registered optimizers' steps wait for ``snapshot``, the copy in progress, until it is
@@ -223,12 +236,11 @@ class Checkpointer:
         self._hold_steps = [optimizer.register_step_pre_hook(wait_for_copy)
                             for optimizer in registered_optimizers(self.registry)]
 
-    def _commit(self, directory: Path, step: int, start: float, blocking: float, checksums: dict[str, dict],
-                finish: Callable[[], None] | None = None) -> None:
+    def _commit(self, directory: Path, step: int, start: float, blocking: float,
+                finish: Callable[[], dict[str, dict]]) -> None:
         """Every rank: finish writing and hand its checksums to rank 0, which writes the marker and prunes."""
-        if finish is not None:
-            with failing_save(directory, discard=self.rank == 0):
-                finish()
+        with failing_save(directory, discard=self.rank == 0):
+            checksums = finish()
         gathered = self._gather(checksums)
         num_bytes = 0
         if self.rank == 0:
@@ -331,6 +343,10 @@ class Checkpointer:
             return None, str(exc)
 
     def _pick(self, step: int | None) -> int | None:
+        for entry in foreign_entries(self.root):
+            log.warning("ignoring %s: it is not a checkpoint of traincore (another program's file or "
+                        "directory; never deleted): move it out of %s to silence this warning", entry,
+                        self.root)
         complete = complete_steps(self.root)
         if step is not None:
             if step not in complete:
@@ -365,3 +381,29 @@ def registered_optimizers(registry: StateRegistry) -> list[Optimizer]:
         if isinstance(optimizer, Optimizer):
             found.append(optimizer)
     return found
+
+
+def save_failure(exc: BaseException) -> BaseException:
+    """The error a failed save raises: a CheckpointError from any rank rather than DCP's wrapper of it."""
+    # Only a DCP save raises DCP's wrapper, and DCP is loaded then: a sync save's failure does not load it.
+    api = sys.modules.get("torch.distributed.checkpoint.api")
+    if api is not None and isinstance(exc, api.CheckpointException):
+        for _, (failure, _) in sorted(exc.failures.items()):
+            if isinstance(failure, CheckpointError):
+                return failure
+    return exc
+
+
+@contextmanager
+def failing_save(directory: Path, discard: bool) -> Iterator[None]:
+    """Around a save's writes: raise :func:`save_failure` of an error and, if ``discard`` (rank 0, once no
+    rank writes any more), delete the torn step directory, which frees its space."""
+    try:
+        yield
+    except BaseException as exc:
+        if discard:
+            remove_step(directory)
+        failure = save_failure(exc)
+        if failure is exc:
+            raise
+        raise failure from exc

@@ -1,4 +1,4 @@
-"""The torch.distributed.checkpoint side of checkpoints: checksummed writes, allow-listed reads.
+"""The torch.distributed.checkpoint side of checkpoints: torch's writer with named errors, allow-listed reads.
 
 Only ``dcp`` and ``async`` saves and the loading of their checkpoints need it, so the other checkpoint modules
 import this one (and with it torch.distributed.checkpoint, about 0.8 s) when they first get there: a ``sync``
@@ -7,9 +7,7 @@ run, its resume and the export of a ``sync`` checkpoint never load DCP.
 
 from __future__ import annotations
 
-import os
 import pickle
-import threading
 import warnings
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -20,15 +18,15 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
-from torch.distributed.checkpoint.filesystem import FileSystem
 from torch.distributed.checkpoint.staging import AsyncStager
 from torch.distributed.checkpoint.state_dict_saver import AsyncSaveResponse
 
-from traincore.checkpoint.layout import CheckpointError, CorruptCheckpointError
-from traincore.checkpoint.writer import ChecksumWriter
+from traincore.checkpoint.layout import CorruptCheckpointError, tmp_path, write_error
 
 METADATA = ".metadata"  # DCP's index of a directory's tensors
-WRITER_THREADS = 2  # two files per rank, written and checksummed in parallel (bench/checkpoint.py)
+# One thread, so no error is dropped (CheckedFileSystemWriter). Measured: 600 MB per rank, 2 processes at
+# once on this 2-core VM, torch's FileSystemWriter took 1.0-1.5 s with one thread, 0.6-1.25 s with two.
+WRITER_THREADS = 1
 
 
 @contextmanager
@@ -42,85 +40,58 @@ def single_process_quiet(no_dist: bool) -> Iterator[None]:
 
 # ---- writing -------------------------------------------------------------------------------------
 
-class _ChecksumFileSystem(FileSystem):
-    """DCP's local filesystem, adding each written file's checksum to ``into`` once the file is closed.
+class CheckedFileSystemWriter(dcp.FileSystemWriter):
+    """torch's FileSystemWriter, fsync on, whose write errors name the file (a full disk: "no space left on
+    device while writing <path>") as a CheckpointWriteError, which every rank's save then raises.
 
-    It also keeps the errors of the files it writes: DCP's extra writer threads drop theirs (the thread
-    dies, its file's results go missing, and the save would commit without them).
+    One writer thread (WRITER_THREADS): DCP's extra writer threads drop their errors (the thread dies, its
+    file's results go missing and the save would commit without them); in the calling thread every error
+    reaches the save. Checksums are computed from the files once written (:func:`checksum_share`).
     """
 
-    def __init__(self, into: dict[str, dict]):
-        super().__init__()
-        self._into = into
-        self.errors: list[BaseException] = []
-        self._state = threading.Condition()
-        self._open = 0  # streams being written
-        self._stopped = False
-
-    @contextmanager
-    def create_stream(self, path: str | os.PathLike, mode: str):
-        assert mode == "wb", f"DCP's writer only creates files, got mode {mode!r}"
-        with self._state:
-            if self._stopped or self.errors:
-                raise CheckpointError(f"not writing {path}: an earlier write of this checkpoint failed")
-            self._open += 1
-        try:
-            with ChecksumWriter(path) as stream:
-                yield stream
-            self._into[Path(path).name] = stream.checksum()  # DCP writes flat: names are relative to the step
-        except BaseException as exc:
-            with self._state:
-                self.errors.append(exc)
-            raise
-        finally:
-            with self._state:
-                self._open -= 1
-                self._state.notify_all()
-
-    def stop(self) -> None:
-        """Refuse new files and wait until the ones being written are closed."""
-        with self._state:
-            self._stopped = True
-            self._state.wait_for(lambda: self._open == 0)
-
-
-class ChecksumFileSystemWriter(dcp.FileSystemWriter):
-    """A DCP FileSystemWriter whose files are checksummed on their way to disk, into ``checksums``.
-
-    It swaps in its filesystem the way torch's own FsspecWriter subclass does (``self.fs`` set after the
-    base initialiser); every other writer in the process is untouched.
-    """
-
-    def __init__(self, directory: Path, thread_count: int, checksums: dict[str, dict]):
-        # sync_files off: DCP would fsync before ChecksumWriter.close() writes the last block; close() fsyncs.
-        super().__init__(directory, thread_count=thread_count, sync_files=False)
-        self.fs = _ChecksumFileSystem(checksums)
+    def __init__(self, directory: Path, rank: int):
+        super().__init__(directory, thread_count=WRITER_THREADS, single_file_per_rank=True, sync_files=True)
+        self.directory, self.writer_rank = directory, rank
 
     def write_data(self, plan: Any, planner: Any) -> Any:
-        """DCP's write of this rank's files; raises the first file's error, whichever thread wrote it."""
+        """DCP's write of this rank's file; an OSError becomes a CheckpointWriteError naming the file."""
         try:
-            result = super().write_data(plan, planner)
-        except BaseException as exc:
-            self.fs.stop()  # the calling thread failed: its sibling threads write no more
-            first = self.fs.errors[0] if self.fs.errors else exc
-            if first is exc:
-                raise
-            raise first from None  # a sibling failed first; this thread then refused its next file
-        if self.fs.errors:  # every thread is joined: a sibling's error, which DCP dropped
-            raise self.fs.errors[0]
-        return result
+            return super().write_data(plan, planner)
+        except (OSError, RuntimeError) as exc:
+            raise self._named(exc, None) from exc
+
+    def finish(self, metadata: Any, results: Any) -> None:
+        """DCP's write of ``.metadata`` (rank 0); an OSError becomes a CheckpointWriteError naming it."""
+        try:
+            super().finish(metadata, results)
+        except (OSError, RuntimeError) as exc:
+            raise self._named(exc, tmp_path(self.directory / METADATA)) from exc
+
+    def _named(self, exc: BaseException, path: Path | None) -> BaseException:
+        """The CheckpointWriteError for the OSError behind ``exc``: torch.save's zip writer reports a failed
+        write (a full disk) as a RuntimeError whose context is the OSError. Any other error as it is."""
+        cause = exc
+        while cause is not None and not isinstance(cause, OSError):
+            cause = cause.__context__
+        if cause is None:
+            return exc
+        return write_error(cause, cause.filename or path or self._file_in_progress())
+
+    def _file_in_progress(self) -> Path:
+        """This rank's newest DCP file (named ``__<rank>_<n>.distcp`` by DCP), else the directory."""
+        files = sorted(self.directory.glob(f"__{self.writer_rank}_*.distcp"), key=lambda p: p.stat().st_mtime)
+        return files[-1] if files else self.directory
 
 
-def save_tensors(tensors: dict[str, Any], directory: Path, checksums: dict[str, dict],
-                 group: dist.ProcessGroup | None, stager: AsyncStager | None = None
-                 ) -> AsyncSaveResponse | None:
-    """Write this rank's part of ``tensors`` under ``directory``, its files' checksums into ``checksums``.
+def save_tensors(tensors: dict[str, Any], directory: Path, rank: int, group: dist.ProcessGroup | None,
+                 stager: AsyncStager | None = None) -> AsyncSaveResponse | None:
+    """Write this rank's part of ``tensors`` under ``directory``.
 
     With a ``stager`` (whose ``stage`` returns a Future): an async save, returning the futures of the copy
     and of the write as soon as the stager has started the copy.
     """
-    writer = ChecksumFileSystemWriter(directory, WRITER_THREADS, checksums)
-    kwargs = {"storage_writer": writer, "process_group": group, "no_dist": group is None}
+    kwargs = {"storage_writer": CheckedFileSystemWriter(directory, rank), "process_group": group,
+              "no_dist": group is None}
     with single_process_quiet(group is None):
         if stager is None:
             dcp.save(tensors, **kwargs)

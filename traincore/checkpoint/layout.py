@@ -9,13 +9,20 @@ A checkpoint counts only once complete: rank 0 writes ``commit.json`` last, afte
 done. It holds the format version, the world size and, for every other file in the directory, its size
 and CRC32. A directory without it is torn (a crash mid-save): resume skips it and pruning deletes it.
 
+Entries of a root named ``step-*`` that are not ours are never deleted: a file, a name step_dir() does not
+write (``step-5``, ``step-abc``), or a step directory without a marker that holds files no save writes.
+Resume ignores them, with a warning naming each (:func:`foreign_entries`); a save of a step whose
+directory is such an entry is refused (:func:`clear_step`). A step directory whose ``commit.json`` is not
+a traincore marker is refused by resume when it gets there (:func:`read_marker`), and pruning keeps it.
+
 Why CRC32 and not sha256: the marker guards against accidents (a torn or truncated write, bit flips on
 disk or in a copy), not against an attacker. The size catches truncation; CRC32 catches every error burst
 up to 32 bits and any other corruption with probability 1 - 2**-32. It is not a security hash: whoever can
 write a file can forge its CRC. The exported model, which leaves the run, keeps sha256 (traincore.export).
 
-Files are written by traincore.checkpoint.writer, which checksums them on their way to disk. A write that
-fails (a full disk, an I/O error) raises :class:`CheckpointWriteError`, which names the file.
+Our own files (``state.pt``, ``extra.pt``) are checksummed on their way to disk
+(traincore.checkpoint.writer); DCP's files are read back once written (:func:`checksum_share`). A write
+that fails (a full disk, an I/O error) raises :class:`CheckpointWriteError`, which names the file.
 """
 
 from __future__ import annotations
@@ -39,7 +46,10 @@ READABLE_VERSIONS = (2, FORMAT_VERSION)  # traincore.checkpoint.format reads bot
 MARKER = "commit.json"
 STATE_FILE = "state.pt"  # sync: the whole state
 EXTRA_FILE = "extra.pt"  # dcp / async: the non-tensor state
+OWN_FILES = (MARKER, STATE_FILE, EXTRA_FILE)  # written by the checkpointer, checksummed while written
 _STEP_NAME = re.compile(r"^step-(\d+)$")
+# Every file a save writes into a step directory: ours, DCP's, and the temporary names of both.
+_SAVED_FILE = re.compile(r"^\.?(state\.pt|extra\.pt|commit\.json|\.metadata|__\d+_\d+\.distcp)(\.tmp)?$")
 _BLOCK = 8 << 20  # read size when checksumming a file
 MODES = ("sync", "dcp", "async")
 _CRC32 = re.compile(r"^[0-9a-f]{8}$")
@@ -129,6 +139,53 @@ def latest_complete(root: str | Path) -> Path | None:
     return step_dir(root, steps[-1]) if steps else None
 
 
+def tmp_path(path: Path) -> Path:
+    """The temporary name ``path`` is written under before it is published."""
+    return path.with_name(f".{path.name}.tmp")
+
+
+def is_torn(directory: Path) -> bool:
+    """A step directory without a marker that holds only files a save writes (or none): a save that did
+    not finish, which may be deleted."""
+    return (directory.is_dir() and not directory.is_symlink() and not (directory / MARKER).exists()
+            and all(p.is_file() and _SAVED_FILE.match(p.name) for p in directory.iterdir()))
+
+
+def foreign_entries(root: str | Path) -> list[Path]:
+    """Entries of ``root`` named ``step-*`` that are neither a checkpoint nor a torn save of ours."""
+    root = Path(root)
+    if not root.is_dir():
+        return []
+    return sorted(p for p in root.iterdir() if p.name.startswith("step-") and (
+        parse_step_name(p.name) is None or not p.is_dir() or not ((p / MARKER).exists() or is_torn(p))))
+
+
+def clear_step(directory: Path) -> None:
+    """Delete what a save of this step finds at ``directory``: a torn save or a checkpoint of ours (it is
+    saved again); CheckpointError, deleting nothing, for anything else."""
+    if not (directory.exists() or directory.is_symlink()):
+        return
+    if not (is_torn(directory) or _marker_is_ours(directory)):
+        raise CheckpointError(f"cannot save step {parse_step_name(directory.name)}: {directory} exists and "
+                              "is not a checkpoint of traincore (another program's file or directory), and "
+                              f"it is never deleted: move it out of {directory.parent}, or choose another "
+                              "checkpoint root")
+    remove_step(directory)
+
+
+def _marker_is_ours(directory: Path) -> bool:
+    """Whether ``directory`` is a step directory whose commit marker traincore wrote (intact or damaged)."""
+    if directory.is_symlink() or not (directory / MARKER).is_file():
+        return False
+    try:
+        read_marker(directory)
+    except CorruptCheckpointError:
+        return True
+    except CheckpointError:
+        return False
+    return True
+
+
 # ---- checksums ------------------------------------------------------------
 
 def checksum_entry(crc: int, num_bytes: int) -> dict:
@@ -144,6 +201,14 @@ def file_checksum(path: str | Path) -> dict:
             crc = zlib.crc32(memoryview(block)[:n], crc)
             num_bytes += n
     return checksum_entry(crc, num_bytes)
+
+
+def checksum_share(directory: Path, rank: int, world_size: int) -> dict[str, dict]:
+    """Checksums of this rank's share of the DCP files under ``directory``, read back once written: every
+    file but ours (:data:`OWN_FILES`), by name, dealt out round-robin so each is read once."""
+    own = {*OWN_FILES, *(tmp_path(Path(name)).name for name in OWN_FILES)}
+    names = sorted(p.name for p in directory.iterdir() if p.is_file() and p.name not in own)
+    return {name: file_checksum(directory / name) for name in names[rank::world_size]}
 
 
 def load_file(path: Path) -> Any:
@@ -166,9 +231,8 @@ def load_file(path: Path) -> Any:
 def write_marker(directory: Path, step: int, mode: str, world_size: int, checksums: dict[str, dict]) -> int:
     """Write the commit marker; returns the checkpoint's bytes.
 
-    ``checksums`` holds the entries every rank computed while writing; a file without one (DCP's small
-    ``.metadata``, renamed after it was written) is read here. Entries of files that no longer exist
-    (``.metadata.tmp``) are left out: the directory is the truth.
+    ``checksums`` holds the entries the ranks computed; a file without one is read here. The directory is
+    the truth: every file in it is listed, entries of files it does not hold are left out.
     """
     paths = {p.relative_to(directory).as_posix(): p for p in sorted(directory.rglob("*"))
              if p.is_file() and p.name != MARKER}
@@ -176,7 +240,7 @@ def write_marker(directory: Path, step: int, mode: str, world_size: int, checksu
              for name, path in paths.items()}
     marker = {"format_version": FORMAT_VERSION, "step": step, "mode": mode, "world_size": world_size,
               "format": "torch_save" if mode == "sync" else "dcp", "checksum": "crc32", "files": files}
-    tmp = directory / f".{MARKER}.tmp"
+    tmp = tmp_path(directory / MARKER)
     with writing(tmp):
         tmp.write_text(json.dumps(marker, indent=1))
         publish(tmp, directory / MARKER)
@@ -293,10 +357,12 @@ def remove_step(directory: Path) -> None:
 
 
 def prune(root: Path, keep_last: int) -> None:
-    """Keep the newest ``keep_last`` complete steps; delete older ones and torn ones older than the newest."""
+    """Keep the newest ``keep_last`` complete steps; delete older ones and torn ones older than the newest
+    (never an entry that is not ours)."""
     complete = complete_steps(root)
     if not complete:
         return
-    torn_older = [s for s in _step_dirs(root) if s < complete[-1] and s not in complete]
-    for step in complete[:-keep_last] + torn_older:
+    old = [s for s in complete[:-keep_last] if _marker_is_ours(step_dir(root, s))]
+    torn_older = [s for s, path in _step_dirs(root).items() if s < complete[-1] and is_torn(path)]
+    for step in old + torn_older:
         remove_step(step_dir(root, step))

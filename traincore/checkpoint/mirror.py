@@ -16,6 +16,7 @@ import threading
 from pathlib import Path, PurePosixPath
 
 import fsspec
+import fsspec.core
 
 from traincore.checkpoint.layout import MARKER, complete_steps, parse_step_name, step_dir
 
@@ -27,7 +28,8 @@ class CheckpointMirror:
 
     def __init__(self, remote: str, local: Path, fs: fsspec.AbstractFileSystem, interval_s: float = 15.0):
         self.remote, self.local, self.fs, self.interval_s = remote.rstrip("/"), Path(local), fs, interval_s
-        self._remote_path = fs._strip_protocol(self.remote)  # how fs.find() spells paths under the root
+        # how fs.find() spells paths under the root
+        self._remote_path = fsspec.core.strip_protocol(self.remote)
         self._uploaded: set[int] = set()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None

@@ -174,15 +174,19 @@ def test_round_trip_restores_everything_bitwise(tmp_path, mode, caplog):
 
 
 @pytest.mark.parametrize("mode", CHECKPOINT_MODES)
-def test_checksums_are_computed_while_writing(tmp_path, mode, monkeypatch):
+def test_only_dcp_files_are_read_back_to_checksum_them(tmp_path, mode, monkeypatch):
     read_back = []
     original = checkpoint_files.file_checksum
     monkeypatch.setattr(checkpoint_files, "file_checksum",
                         lambda path: read_back.append(path) or original(path))
     save_steps(tmp_path, mode, [1])
-    # Only DCP's small .metadata, renamed after it was written, is read back to checksum it.
-    assert [p.name for p in read_back] == ([] if mode == "sync" else [".metadata"])
-    assert_marker_matches_disk(step_dir(tmp_path, 1))
+    # Our own files are checksummed on their way to disk; torch's writer writes DCP's, read back once each.
+    directory = step_dir(tmp_path, 1)
+    dcp_files = sorted(p.name for p in directory.iterdir()
+                       if p.name.endswith(".distcp") or p.name == ".metadata")
+    assert sorted(p.name for p in read_back) == dcp_files
+    assert (mode == "sync") == (dcp_files == [])
+    assert_marker_matches_disk(directory)
     assert torch.serialization.get_crc32_options()  # torch.save's zip CRC32 is back on for everyone else
 
 
@@ -231,15 +235,14 @@ def test_torn_checkpoint_is_skipped_and_replaced(tmp_path):
     save_steps(tmp_path, "sync", [1, 2])
     torn = step_dir(tmp_path, 3)
     torn.mkdir()
-    (torn / "state.pt").write_bytes(b"half a checkpoint")
-    (torn / "leftover.bin").write_bytes(b"from the crashed save")
+    (torn / ".state.pt.tmp").write_bytes(b"half a checkpoint")  # what a save killed mid-write leaves
     assert complete_steps(tmp_path) == [1, 2]
     assert latest_complete(tmp_path) == step_dir(tmp_path, 2)
     assert load(tmp_path) == 2
 
     save_steps(tmp_path, "sync", [3])  # rewrites step 3 from scratch
     assert complete_steps(tmp_path) == [1, 2, 3]
-    assert not (torn / "leftover.bin").exists()
+    assert not (torn / ".state.pt.tmp").exists()
     verify_checkpoint(torn)
 
 
