@@ -10,7 +10,7 @@ the optimizer state exists), the run's Checkpointer saves the state registry (``
   dcp                   every rank writes its own shards (torch's FileSystemWriter, then checksummed)
   async                 dcp.async_save with our SnapshotStager, the copy overlapping the next forward/backward
 and, on the same state, two rows of torch's own pieces with nothing of ours (no checksums, no commit marker):
-  dcp, torch writer     dcp.save with FileSystemWriter(thread_count=2, single_file_per_rank, sync_files)
+  dcp, torch writer     dcp.save with FileSystemWriter(thread_count=1, single_file_per_rank, sync_files)
   async, torch stager   dcp.async_save with DefaultStager (async staging; no pinned or shared memory, as on
                         a CPU) and the same FileSystemWriter
 The async rows train between saves, enough steps to cover one write (``steps_between``), and wait for the
