@@ -36,8 +36,9 @@ def captured_stderr(rank: int) -> Iterator[None]:
     ``$TRAIN_WORKER_STDERR_DIR/rank-<rank>.log`` while it still reaches the original stderr.
 
     Through a ``tee`` process in a session of its own: it outlives a SIGKILLed worker and writes every line
-    the worker wrote (a copying thread would die with the worker and lose what the pipe still held), and a
-    Ctrl-C to the terminal's process group does not stop it while the worker saves its step.
+    the worker wrote (a copying thread would die with the worker and lose what the pipe still held), and
+    neither a Ctrl-C to the terminal's process group nor a signal to the job's processes stops it while the
+    worker saves its step; it exits once every writer of the pipe has.
     """
     directory = os.environ.get(STDERR_DIR_ENV)
     if not directory:
@@ -45,8 +46,11 @@ def captured_stderr(rank: int) -> Iterator[None]:
         return
     sys.stderr.flush()
     original = os.dup(2)
-    tee = subprocess.Popen(["tee", "-a", str(Path(directory) / f"rank-{rank}.log")], stdin=subprocess.PIPE,
-                           stdout=original, stderr=subprocess.DEVNULL, start_new_session=True)
+    # Signals ignored (inherited through exec): Slurm signals every process of a job step, a tee too.
+    command = 'trap "" TERM INT HUP USR1; exec tee -a "$0"'
+    tee = subprocess.Popen(["sh", "-c", command, str(Path(directory) / f"rank-{rank}.log")],
+                           stdin=subprocess.PIPE, stdout=original, stderr=subprocess.DEVNULL,
+                           start_new_session=True)
     os.dup2(tee.stdin.fileno(), 2)
     tee.stdin.close()
     try:
