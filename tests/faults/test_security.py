@@ -206,7 +206,8 @@ def test_online_key_from_the_mounted_secret_goes_to_the_wandb_server_only(fault_
     kind, message = flyte_error(attempt) or ("no error document", result.stderr[-3000:])
     assert kind == "NON_RECOVERABLE" and "unauthorized" in message, message
     # ... and it shows in no output: logs, error document, Flyte's sandbox and run directory, homes.
-    assert list((attempt / "tmp").rglob("metrics.jsonl")) and list((attempt / "tmp").rglob("debug*.log"))
+    # (W&B failed before the first step, so the run wrote no metrics.jsonl: metrics open at the first record)
+    assert list((attempt / "tmp").rglob("debug*.log"))
     found, searched = leaks(key, result.stdout, result.stderr, attempt, tmp_path / "home",
                             tmp_path / "upload", tmp_path / "checkpoints")
     assert not found and searched > 10, found
@@ -384,7 +385,8 @@ def test_imagefolder_class_names_cannot_place_files_outside_the_staging(tmp_path
     written = _files(tmp_path) - before
     assert all(output in p.parents for p in written), sorted(map(str, written))
     if isinstance(manifest, Manifest):  # staged: the shards are named by the stager, the names are data
-        assert manifest.classes == sorted(n for n in HOSTILE_CLASSES if kind != "local" or n != "..")
+        # Names starting with a dot ("..", "..%2f..%2fx") are dot-directories, which staging skips.
+        assert manifest.classes == sorted(n for n in HOSTILE_CLASSES if not n.startswith("."))
         names = {p.relative_to(output).as_posix() for p in written} - {"manifest.json"}
         assert names and all(name.split("-")[0] in ("train", "val", "test") for name in names), names
         assert (output / "manifest.json").is_file()
