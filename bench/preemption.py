@@ -117,6 +117,7 @@ def signal_to_exit(scratch: Path) -> dict:
     took = time.monotonic() - sent
     text = (scratch / "run.log").read_text()
     line = next((line for line in text.splitlines() if line.startswith("preempted at step")), text[-300:])
+    line = line.replace(str(scratch), "<scratch>")  # a temporary directory of this machine
     grace = CheckpointConfig().preemption_grace_s
     return {"case": "SIGTERM to --nproc-per-node 2, digits CNN, sync checkpoint", "exit_code": code,
             "signal_to_exit_s": round(took, 2), "grace_s": grace, "share_of_grace": round(took / grace, 3),
