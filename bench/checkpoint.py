@@ -30,7 +30,7 @@ import mmap
 import os
 import shutil
 import statistics
-import tempfile
+import sys
 import time
 from pathlib import Path
 
@@ -38,10 +38,13 @@ import numpy as np
 import torch
 from torch import nn
 
-from traincore.checkpoint.checkpointer import Checkpointer
-from traincore.checkpoint.writer import ChecksumWriter
-from traincore.config import CheckpointConfig
-from traincore.state import Progress, training_registry
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a script from a source checkout
+
+from bench.tables import scratch_directory  # noqa: E402
+from traincore.checkpoint.checkpointer import Checkpointer  # noqa: E402
+from traincore.checkpoint.writer import ChecksumWriter  # noqa: E402
+from traincore.config import CheckpointConfig  # noqa: E402
+from traincore.state import Progress, training_registry  # noqa: E402
 
 WIDTH = 4096
 BATCH = 8
@@ -316,11 +319,7 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     if args.repeats < 1:
         parser.error(f"--repeats {args.repeats} is invalid: save at least once (--repeats 1)")
-    runs = Path(__file__).resolve().parents[1] / "runs"
-    parent = args.dir or (runs if runs.is_dir() else None)
-    if parent is not None:
-        parent.mkdir(parents=True, exist_ok=True)
-    directory = Path(tempfile.mkdtemp(prefix="bench-checkpoint-", dir=parent))
+    directory = scratch_directory("bench-checkpoint-", args.dir)
     try:
         results = measure(directory, args.params, args.repeats)
     finally:

@@ -58,7 +58,6 @@ import shutil
 import statistics
 import subprocess
 import sys
-import tempfile
 import threading
 import time
 from collections.abc import Callable
@@ -74,7 +73,7 @@ from torch import nn
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a script from a source checkout
 
 from bench.checkpoint import CountingLoader, parse_count  # noqa: E402
-from bench.tables import markdown_table  # noqa: E402
+from bench.tables import markdown_table, scratch_directory  # noqa: E402
 from traincore.checkpoint.checkpointer import Checkpointer  # noqa: E402
 from traincore.checkpoint.dcp import WRITER_THREADS  # noqa: E402  (torch's rows write with as many threads)
 from traincore.checkpoint.format import split_tensors  # noqa: E402
@@ -530,11 +529,7 @@ def main(argv: list[str] | None = None) -> None:
     for name in ("width", "repeats", "steps"):
         if getattr(args, name) < 1:
             parser.error(f"--{name} {getattr(args, name)} is invalid: it must be at least 1")
-    runs = Path(__file__).resolve().parents[1] / "runs"
-    parent = args.dir or (runs if runs.is_dir() else None)
-    if parent is not None:
-        parent.mkdir(parents=True, exist_ok=True)
-    scratch = Path(tempfile.mkdtemp(prefix="bench-sharded-", dir=parent))
+    scratch = scratch_directory("bench-sharded-", args.dir)
     opts = {"params": args.params, "width": args.width, "repeats": args.repeats, "steps": args.steps}
     try:
         results = measure(opts, scratch, args.timeout)

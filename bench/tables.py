@@ -48,6 +48,16 @@ def digits_and_scratch(data: str | None, prefix: str) -> Iterator[tuple[Path, Pa
         yield staged, Path(tmp)
 
 
+def scratch_directory(prefix: str, given: Path | None) -> Path:
+    """A new directory for a benchmark's files: under ``given``, else the checkout's runs/ when it exists
+    (ignored by git), else the system's temporary directory."""
+    runs = Path(__file__).resolve().parents[1] / "runs"
+    parent = given or (runs if runs.is_dir() else None)
+    if parent is not None:
+        parent.mkdir(parents=True, exist_ok=True)
+    return Path(tempfile.mkdtemp(prefix=prefix, dir=parent))
+
+
 def write_results(path: str | None, benchmark: str, rows: list[dict], ratios: dict[str, float]) -> None:
     """The JSON bench/run.py collects (``{"benchmark", "results", "ratios"}``), when ``path`` is given."""
     if path:
