@@ -19,7 +19,7 @@ import pytest
 import torch
 from faultlib import TINY, child_env, descendants, metric_rows, run, torchrun, train_args, wait_for
 
-from traincore.checkpoint.layout import complete_steps, step_dir, verify_checkpoint
+from traincore.checkpoint.layout import complete_steps, is_torn, parse_step_name, step_dir, verify_checkpoint
 from traincore.export import export
 from traincore.preemption import PREEMPTED_EXIT_CODE, RECORD_FILE
 
@@ -128,16 +128,20 @@ def test_a_save_that_outlasts_the_grace_is_abandoned_and_the_last_complete_check
             fault_data, output, "--max-steps", str(steps), "--checkpoint-every", "20", config=config)]
 
     process = start(cli(4000), tmp_path / "log")
-    wait_for(lambda: complete_steps(output / "checkpoints") or process.poll() is not None, 120,
-             "the first checkpoint")
+    # Past the first checkpoint (a step's row is logged after the previous step's save returned), so the
+    # signal lands in a step or in a save, and 50 ms later the process is gone wherever it was.
+    wait_for(lambda: any(row["step"] > 20 for row in metric_rows(output)) or process.poll() is not None,
+             120, "a step after the first checkpoint")
     process.send_signal(signal.SIGTERM)
     assert process.wait(timeout=30) == PREEMPTED_EXIT_CODE
     log = (tmp_path / "log").read_text()
     assert "did not finish within checkpoint.preemption_grace_s=0.05" in log, log[-3000:]
     assert not (output / "checkpoints" / RECORD_FILE).exists()
     complete = complete_steps(output / "checkpoints")
-    last_logged = metric_rows(output)[-1]["step"]
-    assert complete and complete[-1] < last_logged, (complete, last_logged)
+    assert complete and complete[0] == 20, complete
+    # Whatever was being written when the grace ran out has no marker: a torn save, never loaded.
+    newer = [p for p in (output / "checkpoints").iterdir() if (parse_step_name(p.name) or 0) > complete[-1]]
+    assert all(is_torn(p) for p in newer), newer
     verify_checkpoint(step_dir(output / "checkpoints", complete[-1]))
 
     resumed = run(cli(complete[-1] + 2))
