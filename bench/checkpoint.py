@@ -16,6 +16,11 @@ blocking <= 10% of one in-memory copy (and <= 1/20 of sync); write throughput >=
 also prints what torch.save's own zip CRC32 costs: we keep it on, since turning it off
 (torch.serialization.set_crc32_options) would change every torch.save in the process, a user's too.
 
+Our writer against torch's: a sync checkpoint's ``state.pt`` (the full state, as rank 0 writes it) through
+traincore.checkpoint.writer.save_file (CRC32 on the way to disk, direct I/O) and through what torch ships,
+torch.save to the path, fsync and rename, then the CRC32 the commit marker needs read back; alternated,
+three each, medians (ratio ``sync_writer_over_torch_save``).
+
     python bench/checkpoint.py [--params 100M] [--dir DIR] [--repeats 3] [--json PATH]
 
 ``--json`` writes {"benchmark": "checkpoint", "results": [one dict per mode], "ratios": {...}}.
@@ -42,8 +47,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a script 
 
 from bench.tables import scratch_directory  # noqa: E402
 from traincore.checkpoint.checkpointer import Checkpointer  # noqa: E402
-from traincore.checkpoint.writer import ChecksumWriter  # noqa: E402
+from traincore.checkpoint.layout import file_checksum, tmp_path  # noqa: E402
+from traincore.checkpoint.writer import ChecksumWriter, save_file  # noqa: E402
 from traincore.config import CheckpointConfig  # noqa: E402
+from traincore.files import publish  # noqa: E402
 from traincore.state import Progress, training_registry  # noqa: E402
 
 WIDTH = 4096
@@ -280,6 +287,7 @@ def measure(directory: Path, params: int, repeats: int) -> dict:
     table = rows(results, disk_gbps, copy_s)
     ratios = report(table, copy_s)
     zip_crc_cost(state, directory, nbytes)
+    ratios["sync_writer_over_torch_save"] = writer_against_torch_save(state, directory)
     return {"benchmark": "checkpoint", "state_bytes": nbytes, "copy_s": copy_s, "disk_gbps": disk_gbps,
             "results": table, "ratios": ratios}
 
@@ -306,6 +314,28 @@ def zip_crc_cost(state: TrainState, directory: Path, nbytes: int) -> None:
     gb = nbytes / 1e9
     print(f"torch.save zip CRC32 (kept on): {on:.3f} s with it, {off:.3f} s without, for {gb:.2f} GB: "
           f"{(on - off) / gb:.3f} s per GB, {on / off - 1:+.0%} on a sync save")
+
+
+def writer_against_torch_save(state: TrainState, directory: Path) -> float:
+    """Seconds to a durable, checksummed ``state.pt`` through our writer and through torch.save; the ratio."""
+    payload = {"step": 0, "shared": state.registry.shared_state(full=True), "per_rank": [{}]}
+    seconds: dict[str, list[float]] = {"ours": [], "torch": []}
+    path = directory / "state.pt"
+    for _ in range(3):
+        for way, times in seconds.items():
+            start = time.perf_counter()
+            if way == "ours":
+                save_file(payload, path)
+            else:
+                torch.save(payload, tmp_path(path))
+                publish(tmp_path(path), path)
+                file_checksum(path)
+            times.append(time.perf_counter() - start)
+            path.unlink()
+    ours, theirs = statistics.median(seconds["ours"]), statistics.median(seconds["torch"])
+    print(f"state.pt, durable and checksummed: {ours:.2f} s through our writer, {theirs:.2f} s through "
+          f"torch.save, fsync and a CRC32 read back (ours/torch {ours / theirs:.2f})")
+    return ours / theirs
 
 
 def main(argv: list[str] | None = None) -> None:

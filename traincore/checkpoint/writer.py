@@ -7,12 +7,14 @@ writes with direct I/O: no page-cache memory to allocate, which is slow on VMs w
 memory lazily (bench/checkpoint.py), and the cache stays with the memory-mapped dataset. A write that
 fails raises CheckpointWriteError naming the file ("no space left on device while writing <path>: ...").
 
-Measured on this 2-core VM (600 MB of tensors in one torch.save file, 4 runs, one process): 0.32-0.44 s
-through save_file, against 0.80-1.02 s for torch.save to an open file, fsync and the CRC32 read back
-(2.3x), and 0.92-2.41 s for torch.save through a CRC32-computing wrapper of a buffered file.
-Earlier, when DCP's files went through it too (bench/sharded.py, 1.21 GB of FSDP state on 2 gloo
-ranks): a dcp save committed in 1.58 s through this writer against 6.2 s through torch's FileSystemWriter
-(thread_count=2, one file per rank and thread, sync_files) on the same state.
+Why ours and not torch.save to the path: ``make bench`` (bench/checkpoint.py, ratio
+``sync_writer_over_torch_save``) writes a sync checkpoint's 1.21 GB ``state.pt`` both ways, alternated, on
+this 2-core VM: 0.79 s through save_file against 2.21 s for torch.save to the path, fsync, rename and the
+CRC32 the marker needs read back (0.36x; 0.89 against 2.06 s, 0.43x, in a second run on 2026-11-26).
+``sync`` is the default mode, so every default run's saves take this path. torch.save to an open Python file
+instead of a path was slower still (2.8 s). DCP's files, once written through this writer too (1.58 s
+against 6.2 s for 1.21 GB of FSDP state on 2 ranks), now go through torch's FileSystemWriter: that needed a
+swapped, non-public filesystem object.
 """
 
 from __future__ import annotations
