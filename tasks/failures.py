@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -22,6 +23,8 @@ from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 STDERR_DIR_ENV = "TRAIN_WORKER_STDERR_DIR"
 """Set by the train task for its workers: the directory of their ``rank-<N>.log`` stderr copies."""
 TAIL_LINES = 15
+# first_failure()'s opening words for a worker ended by a signal, as killed_rank() reads them back.
+_KILLED = re.compile(r"\brank (\d+) failed first \(killed by ([^,]+), pid")
 # Signals that end a worker from outside, so the worker leaves no error file: the OOM killer or a lost node
 # (SIGKILL), eviction or preemption (SIGTERM, SIGINT, SIGHUP), a write to a vanished peer (SIGPIPE), NCCL's
 # watchdog aborting a collective that a lost peer never joined (SIGABRT). A worker's own crash (SIGSEGV,
@@ -83,6 +86,13 @@ def first_failure(error: ChildFailedError, directory: str | Path | None) -> str:
     if tail:
         text += ". The last lines of its stderr:\n" + "\n".join(f"  {line}" for line in tail)
     return text
+
+
+def killed_rank(message: str) -> tuple[int, str] | None:
+    """(rank, signal name) of the worker a signal killed, read from an error that :func:`first_failure`
+    began (as a Slurm node's error document carries it); None when the first failure was not a kill."""
+    match = _KILLED.search(message)
+    return (int(match.group(1)), match.group(2)) if match else None
 
 
 def vanished_workers(error: ChildFailedError) -> list[str]:

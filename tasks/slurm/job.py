@@ -17,9 +17,7 @@ from __future__ import annotations
 import logging
 import math
 import posixpath
-import re
 import shlex
-import signal
 import sys
 from dataclasses import dataclass
 
@@ -27,6 +25,7 @@ from flyteidl.core import errors_pb2
 from flytekit.core import utils
 from flytekit.core.context_manager import FlyteContextManager
 
+from tasks.failures import killed_rank
 from tasks.slurm.states import JobInfo, Outcome
 from tasks.types import Topology
 from traincore.preemption import PREEMPTED_EXIT_CODE
@@ -39,10 +38,6 @@ JOB_NAME = "flyte-torch-train"
 # Seconds the warning signal comes before the time limit beyond the preemption grace: the agents' own
 # shutdown and the step in progress when the signal arrives.
 SIGNAL_MARGIN_S = 15
-# torch elastic's account of a failed worker (ChildFailedError.format_msg): its rank and exit code, negative
-# for a signal. A worker ended by a signal from outside is the cause of its peers' collective errors.
-_TORCH_RANK = re.compile(r"^\s*rank\s*:\s*(\d+)", re.M)
-_TORCH_EXIT = re.compile(r"^\s*exitcode\s*:\s*(-?\d+)", re.M)
 
 
 def warning_lead_s(grace_s: float) -> int:
@@ -122,15 +117,10 @@ class TaskFailure:
 
     @property
     def worker_signal(self) -> tuple[int, str] | None:
-        """(rank, signal name) of the first worker torch elastic reports ended by a signal, else None."""
-        ranks, exits = _TORCH_RANK.findall(self.message), _TORCH_EXIT.findall(self.message)
-        for rank, code in zip(ranks, exits, strict=False):
-            if int(code) < 0:
-                try:
-                    return int(rank), signal.Signals(-int(code)).name
-                except ValueError:
-                    return int(rank), f"signal {-int(code)}"
-        return None
+        """(rank, signal name) when the node's first failed worker was killed by a signal (the cause of its
+        peers' collective errors), else None: read from the train task's own first line
+        (tasks.failures.first_failure)."""
+        return killed_rank(self.message)
 
     def summary(self) -> str:
         """Where it failed and how, in one line: the node, and the rank and signal when one killed it."""

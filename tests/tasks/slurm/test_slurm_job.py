@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import re
+import signal
 import subprocess
 import sys
 import tarfile
@@ -15,7 +16,9 @@ from flyteidl.core import errors_pb2
 from flytekit.core import utils
 from google.protobuf import timestamp_pb2
 from google.protobuf.json_format import MessageToDict
+from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ProcessFailure
 
+from tasks.failures import first_failure
 from tasks.slurm.connector import PHASES, SLURM_TASK_TYPE, forwarded_env, ssh_target
 from tasks.slurm.job import (
     SIGNAL_MARGIN_S,
@@ -77,14 +80,11 @@ def test_every_outcome_has_a_flyte_phase():
     assert set(PHASES) == set(Outcome)
 
 
-TORCH_FAILURE = """Root Cause (first observed failure):
-[0]:
-  time      : 2026-11-26_01:09:37
-  host      : slb-node2
-  rank      : {rank} (local_rank: 0)
-  exitcode  : {code} (pid: 31879)
-  error_file: <N/A>
-"""
+def killed(rank: int) -> str:
+    """A failed node's message as the train task writes it: its first line, then torch elastic's report."""
+    failure = ProcessFailure(local_rank=0, pid=31879, exitcode=-signal.SIGKILL, error_file="<N/A>")
+    error = ChildFailedError("train", {rank: failure})
+    return f"{first_failure(error, None)}\n{error}"
 
 
 def write_error(prefix: Path, node: str, message: str, seconds: int, recoverable: bool = True) -> None:
@@ -96,7 +96,7 @@ def write_error(prefix: Path, node: str, message: str, seconds: int, recoverable
 
 def test_the_worker_a_signal_killed_is_the_first_failure_though_its_peer_reported_earlier(tmp_path):
     write_error(tmp_path, "slb-node1", "DistBackendError: Connection closed by peer", seconds=100)
-    write_error(tmp_path, "slb-node2", "worker lost:\n" + TORCH_FAILURE.format(rank=1, code=-9), seconds=101)
+    write_error(tmp_path, "slb-node2", f"worker lost: {killed(1)}", seconds=101)
     first, second = task_failures(str(tmp_path))
     assert (first.node, first.worker_signal, first.summary()) == (
         "slb-node2", (1, "SIGKILL"), "node slb-node2: rank 1 was killed by SIGKILL")
