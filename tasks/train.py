@@ -12,6 +12,7 @@ import functools
 import hashlib
 import json
 import os
+import signal
 import sys
 import tempfile
 from collections.abc import Callable
@@ -29,6 +30,7 @@ from flytekit.extras.accelerators import GPUAccelerator
 from flytekit.types.directory import FlyteDirectory
 from flytekitplugins.kfpytorch import CleanPodPolicy, Elastic, RunPolicy
 from flytekitplugins.kfpytorch.task import PytorchElasticFunctionTask
+from torch.distributed.elastic.multiprocessing.api import SignalException
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 from torch.distributed.elastic.rendezvous.api import RendezvousError
 
@@ -71,14 +73,32 @@ def train_model(config: Config, dataset: StagedDataset, checkpoint_root: str) ->
                        summary=summary)
 
 
-def stop_preempted(preempted: Preempted, checkpoint_root: str) -> NoReturn:
-    """End a preempted attempt: a recoverable error, which Flyte retries from the saved step; in a local
-    ``pyflyte run`` (a Ctrl-C, say), a few lines and exit code 75 instead of a traceback."""
+def stop_preempted(preempted: Preempted | str, checkpoint_root: str) -> NoReturn:
+    """End a preempted attempt (``preempted``: the record of the step saved, or a signal's name when the
+    workers were stopped before they trained a step): a recoverable error, which Flyte retries from the
+    saved step; in a local ``pyflyte run`` (a Ctrl-C, say), a few lines and exit code 75 instead of a
+    traceback."""
+    if isinstance(preempted, Preempted):
+        headline, message = preempted.headline, str(preempted)
+    else:
+        headline = (f"stopped by {preempted} while starting, before a step of this attempt was trained: "
+                    "nothing new to save")
+        message = f"{headline}; the same command resumes from the last complete checkpoint, if any"
     if not FlyteContextManager.current_context().execution_state.is_local_execution():
-        raise FlyteRecoverableException(str(preempted)) from None
+        raise FlyteRecoverableException(message) from None
     advice = f"to resume, run the same pyflyte command with --checkpoint_uri {checkpoint_root}"
-    print(preempted.headline, advice, sep="\n", file=sys.stderr, flush=True)
+    print(headline, advice, sep="\n", file=sys.stderr, flush=True)
     raise SystemExit(PREEMPTED_EXIT_CODE)
+
+
+def agent_signal(error: BaseException) -> str | None:
+    """The signal that stopped the elastic agent, when ``error`` is the plugin's IgnoreOutputs for it (raised
+    while it handles torch elastic's SignalException); None for any other error, e.g. the IgnoreOutputs of
+    a worker pod that is not rank 0's, which is how a normal run ends there."""
+    context = error.__context__
+    if isinstance(error, IgnoreOutputs) and isinstance(context, SignalException):
+        return signal.Signals(context.sigval).name
+    return None
 
 
 def _use_wandb_secret(config: Config) -> None:
@@ -164,11 +184,12 @@ class ElasticTrainTask(TopologyTaskMixin, PytorchElasticFunctionTask):
         with synced_checkpoints(root):
             try:
                 return self._train(**kwargs)
-            except (IgnoreOutputs, FlyteRecoverableException):
+            except (IgnoreOutputs, FlyteRecoverableException) as exc:
                 # A preempted run's workers saved their step and left a record of it. The plugin says
                 # IgnoreOutputs when the signal reached this process too (its agent stopped the workers),
-                # or shows the workers' exit codes: the record says what happened instead.
-                preempted = read_record(local_checkpoint_root(root))
+                # or shows the workers' exit codes: the record says what happened instead. A signal that
+                # came while the workers were starting left no record, and nothing new to save.
+                preempted = read_record(local_checkpoint_root(root)) or agent_signal(exc)
                 if preempted is None:
                     raise
                 stop_preempted(preempted, root)

@@ -98,6 +98,10 @@ echo "job $SLURM_JOB_ID attempt $attempt: {nodes} node(s) $SLURM_JOB_NODELIST," 
 if [ "$attempt" -gt 1 ]; then python -m tasks.slurm.job --clear {prefix}; fi
 node_task() {{
     export FLYTE_INTERNAL_WORKER_NAME="$SLURMD_NODENAME"
+    # The warning signal (or a preemption's) reaches every process of the step, this shell too: it waits
+    # for the task, which saves its step, then gives the verdict (a trap, unlike an ignored signal, is not
+    # inherited by the task).
+    trap : TERM INT
     "$@" && python -m tasks.slurm.job --node "$SLURMD_NODENAME" {prefix}
 }}
 export -f node_task

@@ -17,6 +17,7 @@ import pytest
 from tasks.launch import train_task_for
 from tasks.types import SlurmSettings, StagedDataset, Topology
 from traincore.checkpoint.format import read_checkpoint
+from traincore.checkpoint.layout import complete_steps, step_dir, verify_checkpoint
 from traincore.data.manifest import Manifest
 from traincore.presets import preset
 
@@ -237,3 +238,32 @@ def test_submission_checks_the_cluster_and_names_the_input(slurm_loopback, synth
     assert time.monotonic() - started < 30
     assert new_jobs(slurm_loopback, before) == {}
 
+
+
+def test_the_warning_signal_saves_the_step_and_ends_the_task_recoverable(slurm_loopback, tmp_path):
+    """What ``--signal=TERM@lead`` delivers before the time limit (and a preemption with a grace time):
+    SIGTERM to every process of the job's steps, here sent by ``scancel --signal`` (to the steps, not the
+    batch shell, as the job asks). Both nodes stop after the same step, save it, and the task ends
+    recoverable with that step in its message; a retry resumes from it."""
+    name, root = f"test-warning-{uuid.uuid4().hex[:8]}", tmp_path / "checkpoints"
+    process = start_long_run(slurm_loopback.alias, tmp_path, name, "--nnodes", "2", "--nproc_per_node", "1",
+                             "--checkpoint_uri", str(root),
+                             "--config_overrides", '{"checkpoint": {"every": 10}}')
+    job = running_job(slurm_loopback, name, 2, process, workers=True)
+    deadline = time.monotonic() + 120
+    while not complete_steps(root) and time.monotonic() < deadline and process.poll() is None:
+        time.sleep(0.5)  # training, past its first checkpoint
+    assert complete_steps(root), finish(process, timeout=10)[-3000:]
+    slurm_loopback.ssh("scancel", "--signal=TERM", str(job))
+    text = finish(process, timeout=120)
+    assert process.returncode != 0, text[-3000:]
+    # pyflyte's rich console folds long lines, inside words and paths too: compare without whitespace
+    flat = re.sub(r"\s+", "", text)
+    saved = re.search(r"preemptedatstep(\d+)bySIGTERM:checkpointstep-\d+saved", flat)
+    assert saved, text[-5000:]
+    step = int(saved.group(1))
+    assert complete_steps(root)[-1] == step, (complete_steps(root), text[-3000:])
+    verify_checkpoint(step_dir(root, step))
+    note = f"latest complete checkpoint: step {step} in {root}; a retry resumes from it"
+    assert re.sub(r"\s+", "", note) in flat, text[-5000:]
+    assert "FlyteRecoverableException" in flat, text[-5000:]  # Flyte's retries apply

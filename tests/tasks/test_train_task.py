@@ -10,10 +10,14 @@ from dataclasses import replace
 
 import flytekit
 import pytest
+from flytekit import FlyteContextManager
+from flytekit.core.context_manager import ExecutionState
 from flytekit.exceptions.user import FlyteRecoverableException, FlyteUserRuntimeException
+from flytekit.extend import IgnoreOutputs
 from flytekit.tools.module_loader import load_object_from_module
 from flytekitplugins.kfpytorch.task import PytorchElasticFunctionTask
 from torch.distributed import DistNetworkError
+from torch.distributed.elastic.multiprocessing.api import SignalException
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ProcessFailure
 from torch.distributed.elastic.rendezvous.api import RendezvousTimeoutError
 
@@ -260,3 +264,32 @@ def test_cpu_workers_are_forked_from_the_task_process(monkeypatch, dataset, tmp_
     assert sorted(w["rank"] for w in workers) == [0, 1]
     assert all(w["parent"] == os.getpid() != w["pid"] for w in workers)  # the agent runs in this process
     assert result.summary.steps == 2 and result.summary.world_size == 2
+
+
+def signalled_agent_error(signum: int) -> IgnoreOutputs:
+    """The error the kfpytorch plugin raises when its elastic agent gets ``signum``."""
+    try:
+        try:
+            raise SignalException(f"Process 1 got signal: {signum}", sigval=signal.Signals(signum))
+        except SignalException:
+            raise IgnoreOutputs() from None  # the plugin's own raise keeps the context, as this does
+    except IgnoreOutputs as error:
+        return error
+
+
+def test_a_signal_before_the_workers_trained_a_step_ends_the_attempt_recoverable(capsys):
+    """A preemption during start-up leaves no record (nothing new to save): still a retry, not the
+    IgnoreOutputs that a normal non-rank-0 pod ends with and that would leave the task without outputs."""
+    assert train_module.agent_signal(signalled_agent_error(signal.SIGTERM)) == "SIGTERM"
+    assert train_module.agent_signal(IgnoreOutputs()) is None
+    with pytest.raises(FlyteRecoverableException, match="stopped by SIGTERM while starting, before a step"):
+        train_module.stop_preempted("SIGTERM", "/checkpoints")
+    ctx = FlyteContextManager.current_context()
+    mode = ExecutionState.Mode.LOCAL_TASK_EXECUTION
+    local = ctx.with_execution_state(ctx.execution_state.with_params(mode=mode))
+    with FlyteContextManager.with_context(local), pytest.raises(SystemExit) as stopped:
+        train_module.stop_preempted("SIGINT", "/checkpoints")
+    assert stopped.value.code == 75
+    assert capsys.readouterr().err.splitlines() == [
+        "stopped by SIGINT while starting, before a step of this attempt was trained: nothing new to save",
+        "to resume, run the same pyflyte command with --checkpoint_uri /checkpoints"]
