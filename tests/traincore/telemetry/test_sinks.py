@@ -256,6 +256,8 @@ def tensorboard_points(directory: Path, tag: str) -> list[tuple[int, float]]:
 
     events = EventAccumulator(str(directory))
     events.Reload()
+    if tag not in events.Tags()["tensors"]:  # not written yet (the writer's thread writes the queue)
+        return []
     return [(e.step, float(tensor_util.make_ndarray(e.tensor_proto))) for e in events.Tensors(tag)]
 
 
