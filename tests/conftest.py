@@ -54,6 +54,14 @@ def isolated_local_cache(tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
+def s3_server(tmp_path_factory):
+    """A local S3 server (moto) with one empty bucket; fails under CI=true when it cannot start."""
+    from s3_server import start_s3_server
+
+    yield from start_s3_server(tmp_path_factory.mktemp("s3"))
+
+
+@pytest.fixture(scope="session")
 def synthetic_config() -> DataConfig:
     """The DataConfig behind ``synthetic_dir``."""
     return SYNTHETIC

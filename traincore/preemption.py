@@ -31,7 +31,7 @@ from types import FrameType
 import torch
 import torch.distributed as dist
 
-from traincore.files import write_atomically
+from traincore.checkpoint.store import Store, as_store
 
 PREEMPTED_EXIT_CODE = 75
 """Exit code of a preempted run (EX_TEMPFAIL, "try again"): the same command resumes it."""
@@ -55,7 +55,8 @@ class Preempted(Exception):
     @property
     def headline(self) -> str:
         """Where the run stopped and what it saved, without the advice (which depends on the launcher)."""
-        saved = (f"checkpoint step-{self.step} saved in {Path(self.checkpoint).parent}" if self.checkpoint
+        where = self.checkpoint.rsplit("/", 1)[0] if self.checkpoint else None
+        saved = (f"checkpoint step-{self.step} saved in {where}" if self.checkpoint
                  else "no checkpoint of it was saved")
         return f"preempted at step {self.step} by {self.signal_name}: {saved}"
 
@@ -67,23 +68,22 @@ class Preempted(Exception):
         return cls(int(record["step"]), str(record["signal"]), record.get("checkpoint"))
 
 
-def write_record(root: Path, preempted: Preempted) -> None:
+def write_record(root: str | Path | Store, preempted: Preempted) -> None:
     """Leave the outcome where a launcher that saw only its workers end (torchrun, a Flyte task) finds it."""
-    root.mkdir(parents=True, exist_ok=True)
-    write_atomically(root / RECORD_FILE, json.dumps(preempted.to_record()))
+    as_store(root).write_bytes(RECORD_FILE, json.dumps(preempted.to_record()).encode())
 
 
-def read_record(root: str | Path) -> Preempted | None:
+def read_record(root: str | Path | Store) -> Preempted | None:
     """The preemption a run left in its checkpoint ``root``, or None (no record, or an unreadable one)."""
     try:
-        return Preempted.from_record(json.loads((Path(root) / RECORD_FILE).read_text()))
+        return Preempted.from_record(json.loads(as_store(root).read_bytes(RECORD_FILE)))
     except (OSError, ValueError, KeyError, TypeError):
         return None
 
 
-def clear_record(root: Path) -> None:
+def clear_record(root: str | Path | Store) -> None:
     """Remove an earlier attempt's record, so it is never taken for this run's."""
-    (root / RECORD_FILE).unlink(missing_ok=True)
+    as_store(root).remove_file(RECORD_FILE)
 
 
 class PreemptionWatch:

@@ -10,12 +10,14 @@ from __future__ import annotations
 import os
 import pickle
 import tempfile
+import uuid
 from pathlib import Path
 
 import torch
 
 from traincore.checkpoint.format import open_saved
-from traincore.checkpoint.layout import CheckpointError, complete_steps, read_marker, step_dir
+from traincore.checkpoint.layout import CheckpointError, complete_steps, read_marker, step_store
+from traincore.checkpoint.store import Store, as_store
 from traincore.config import Config, ModelConfig
 from traincore.data.manifest import Manifest, verify_staging
 from traincore.dist import resolve_backend
@@ -24,7 +26,7 @@ from traincore.telemetry.sinks import resolve_wandb_key
 
 
 def preflight(cfg: Config, data_dir: str | Path, output_dir: str | Path | None = None,
-              checkpoint_dir: str | Path | None = None) -> Manifest:
+              checkpoint_dir: str | Path | Store | None = None) -> Manifest:
     """Check the config against the staged data before any process group starts; returns the manifest.
 
     Also, so that nothing fails only once training has begun: the process-group backend against this
@@ -50,8 +52,11 @@ def preflight(cfg: Config, data_dir: str | Path, output_dir: str | Path | None =
     if output_dir is not None:
         output_dir = Path(output_dir)
         ensure_writable_dir(output_dir, "output directory", "--output")
-        root = Path(checkpoint_dir) if checkpoint_dir else output_dir / "checkpoints"
-        ensure_writable_dir(root, "checkpoint directory", "--checkpoint-dir or checkpoint_uri")
+        root = as_store(checkpoint_dir or output_dir / "checkpoints")
+        if root.local:
+            ensure_writable_dir(root.path, "checkpoint directory", "--checkpoint-dir or checkpoint_uri")
+        else:
+            ensure_writable_store(root)
         check_resume(cfg, manifest, root, data_dir)
     return manifest
 
@@ -79,6 +84,26 @@ def ensure_writable_dir(path: str | Path, what: str, option: str) -> Path:
     except OSError as exc:
         raise OutputError(f"{what} {path} is not writable ({exc.strerror or exc}): {fix}") from exc
     return path
+
+
+def ensure_writable_store(store: Store) -> None:
+    """An object-store checkpoint root this process can write and list: proven with a probe object
+    (written, listed and removed), so that missing credentials, an unknown bucket or a read-only key fail
+    here, naming the root, instead of at the first save after training."""
+    probe = f".write-probe-{uuid.uuid4().hex[:12]}"
+    try:
+        store.write_bytes(probe, b"probe")
+        try:
+            if store.size(probe) != len(b"probe"):
+                raise OSError(f"the probe object {store.uri_of(probe)} did not read back")
+        finally:
+            store.remove_file(probe)
+    except Exception as exc:  # botocore, gcsfs and adlfs raise their own classes for auth and network errors
+        reason = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise OutputError(f"checkpoint root {store} cannot be written ({type(exc).__name__}: {reason}): "
+                          "check that the bucket exists and that the credentials (AWS_* or FLYTE_AWS_* for "
+                          "s3://) may write there, or set --checkpoint-dir / checkpoint_uri to another "
+                          "location") from exc
 
 
 OWN_MODELS = ("small_cnn", "mlp")
@@ -118,7 +143,7 @@ def _classes(classes: list[str]) -> str:
     return f"{len(classes)} classes ({shown})"
 
 
-def check_resume(cfg: Config, manifest: Manifest, root: Path, data_dir: str | Path) -> None:
+def check_resume(cfg: Config, manifest: Manifest, root: Store, data_dir: str | Path) -> None:
     """Refuse, before training, a resume the checkpointer would refuse once the workers run: a step that has
     no complete checkpoint, a checkpoint in a format this code cannot read, or one of another model or of
     data with other classes, another sample shape or another number of training samples (the loader's
@@ -135,7 +160,7 @@ def check_resume(cfg: Config, manifest: Manifest, root: Path, data_dir: str | Pa
                               f"of those or 'latest', {fresh}")
     if not steps:
         return
-    directory = step_dir(root, steps[-1] if wanted == "latest" else int(wanted))
+    directory = step_store(root, steps[-1] if wanted == "latest" else int(wanted))
     marker = read_marker(directory)  # CheckpointError naming the directory for a foreign or unknown format
     try:
         shared = open_saved(directory, marker).shared

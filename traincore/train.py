@@ -34,7 +34,8 @@ from torch.distributed.elastic.multiprocessing.api import SignalException
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 
 from traincore.checkpoint.checkpointer import Checkpointer
-from traincore.checkpoint.layout import CheckpointError, step_dir
+from traincore.checkpoint.layout import CheckpointError, step_store
+from traincore.checkpoint.store import Store, as_store
 from traincore.config import PARALLELISMS, Config, ConfigError
 from traincore.data.autotune import autotune
 from traincore.data.loader import StagedLoader, StagedSplit
@@ -105,7 +106,7 @@ class Trainer:
     """
 
     def __init__(self, cfg: Config, data_dir: str | Path, output_dir: str | Path,
-                 checkpoint_dir: str | Path | None = None, started_at: float | None = None, *,
+                 checkpoint_dir: str | Path | Store | None = None, started_at: float | None = None, *,
                  manifest: Manifest | None = None, startup: dict | None = None):
         self.startup = StartupClock(started_at)
         if startup is not None:
@@ -114,7 +115,7 @@ class Trainer:
         elif started_at is not None:
             self.startup.mark("imports")
         self.cfg, self.data_dir, self.output = cfg, Path(data_dir), Path(output_dir)
-        self.checkpoint_root = Path(checkpoint_dir) if checkpoint_dir else self.output / "checkpoints"
+        self.checkpoint_root = as_store(checkpoint_dir or self.output / "checkpoints")
         if manifest is None:
             manifest = preflight(cfg, data_dir, self.output, self.checkpoint_root)
             self.startup.mark("preflight")
@@ -267,7 +268,7 @@ class Trainer:
 
     def _stop_preempted(self, step: int, saved: bool) -> None:
         """Every rank: save ``step`` unless just done, wait until it is committed, raise Preempted."""
-        checkpoint: str | None = str(step_dir(self.checkpoint_root, step))
+        checkpoint: str | None = step_store(self.checkpoint_root, step).uri
         try:
             if not saved:
                 self.checkpointer.save(step)
@@ -448,9 +449,10 @@ def _preempted_workers(error: ChildFailedError, root: Path) -> bool:
             and read_record(root) is not None)
 
 
-def checkpoint_root(args: argparse.Namespace) -> Path:
-    """The run's checkpoint root: --checkpoint-dir, else <output>/checkpoints (as the Trainer takes it)."""
-    return Path(args.checkpoint_dir) if args.checkpoint_dir else Path(args.output) / "checkpoints"
+def checkpoint_root(args: argparse.Namespace) -> str:
+    """The run's checkpoint root: --checkpoint-dir (a path or an object-store URI), else
+    <output>/checkpoints (as the Trainer takes it)."""
+    return args.checkpoint_dir or str(Path(args.output) / "checkpoints")
 
 
 def train_worker(cfg: Config, data_dir: str, output_dir: str, checkpoint_dir: str | None, manifest: Manifest,

@@ -16,11 +16,3 @@ def fast_package(tmp_path_factory) -> Path:
 @pytest.fixture(scope="session")
 def non_fast_package(tmp_path_factory) -> Path:
     return build_package(tmp_path_factory.mktemp("pkg-non-fast") / "non-fast.tgz", fast=False)
-
-
-@pytest.fixture(scope="session")
-def s3_server(tmp_path_factory):
-    """A local S3 server (moto) with one empty bucket; fails under CI=true when it cannot start."""
-    from s3_server import start_s3_server
-
-    yield from start_s3_server(tmp_path_factory.mktemp("s3"))

@@ -68,12 +68,13 @@ from traincore.checkpoint.layout import (
     prune,
     read_marker,
     remove_step,
-    step_dir,
+    step_store,
     verify_checkpoint,
     write_error,
     write_marker,
 )
-from traincore.checkpoint.writer import save_file, serialize, write_bytes
+from traincore.checkpoint.store import Store, as_store
+from traincore.checkpoint.writer import save_to_store, serialize, write_to_store
 from traincore.config import CheckpointConfig
 
 if TYPE_CHECKING:  # traincore.state imports DCP's state-dict helpers
@@ -105,9 +106,9 @@ class SaveStats:
 class Checkpointer:
     """Saves and restores a StateRegistry under ``root``; every rank constructs it and calls each method."""
 
-    def __init__(self, root: str | Path, cfg: CheckpointConfig, registry: StateRegistry, rank: int = 0,
-                 world_size: int = 1):
-        self.root, self.cfg, self.registry = Path(root), cfg, registry
+    def __init__(self, root: str | Path | Store, cfg: CheckpointConfig, registry: StateRegistry,
+                 rank: int = 0, world_size: int = 1):
+        self.root, self.cfg, self.registry = as_store(root), cfg, registry
         self.rank, self.world_size = rank, world_size
         self.last_save: SaveStats | None = None
         self._group = self._new_group()
@@ -169,7 +170,7 @@ class Checkpointer:
         state has started; see :meth:`wait_for_snapshot`)."""
         start = time.perf_counter()
         self.wait()
-        directory = step_dir(self.root, step)
+        directory = step_store(self.root, step)
         # sync: the naive way, the whole state gathered onto rank 0, which writes it alone
         shared = self.registry.shared_state(full=self.cfg.mode == "sync")
         per_rank = self._gather(self.registry.rank_state())
@@ -188,40 +189,43 @@ class Checkpointer:
             self._pending = self._executor.submit(self._commit, directory, step, start, blocking, finish)
 
     @staticmethod
-    def _make_dir(directory: Path) -> str | None:
+    def _make_dir(directory: Store) -> str | None:
         """Rank 0: replace a torn (or superseded) leftover of the step by an empty directory; the error."""
         try:
             clear_step(directory)
-            directory.mkdir(parents=True)
+            directory.make_dir()
         except CheckpointError as exc:
             return str(exc)
         except OSError as exc:
-            return str(write_error(exc, directory))
+            return str(write_error(exc, directory.uri))
         return None
 
-    def _write(self, directory: Path, step: int, shared: dict, per_rank: list | None
+    def _write(self, directory: Store, step: int, shared: dict, per_rank: list | None
                ) -> Callable[[], dict[str, dict]]:
         """Write this rank's part (async: start to); returns what finishes the writes and returns the
         checksums of this rank's files (async: run by the commit thread)."""
         if self.cfg.mode == "sync":
             payload = {"step": step, "shared": shared, "per_rank": per_rank}
-            checksums = {STATE_FILE: save_file(payload, directory / STATE_FILE)} if self.rank == 0 else {}
+            checksums = {STATE_FILE: save_to_store(payload, directory, STATE_FILE)} if self.rank == 0 else {}
             return lambda: checksums
         from traincore.checkpoint.dcp import save_tensors
 
         tensors, rest = split_tensors(shared)
         # The non-tensor state is serialised now, while it is the state at this step; written later.
         extra = serialize({"step": step, "shared": rest, "per_rank": per_rank}) if self.rank == 0 else None
-        response = save_tensors(tensors, directory, self.rank, self._group, self._stager)
+        response, store_writer = save_tensors(tensors, directory, self.rank, self._group, self._stager)
         if response is not None:
             self._hold_optimizer_steps(self._stager.snapshot)
 
         def finish() -> dict[str, dict]:
             if response is not None:
                 response.upload_completion.result()  # every rank's data and DCP's .metadata are written
-            checksums = checksum_share(directory, self.rank, self.world_size)
+            # In an object store each rank's writer checksummed its bytes on their way up: nothing is read
+            # back from the store. Locally, torch's writer wrote them: each rank reads back a share.
+            checksums = (dict(store_writer.checksums) if store_writer is not None
+                         else checksum_share(directory, self.rank, self.world_size))
             if extra is not None:
-                checksums[EXTRA_FILE] = write_bytes(extra, directory / EXTRA_FILE)
+                checksums[EXTRA_FILE] = write_to_store(extra, directory, EXTRA_FILE)
             return checksums
         return finish
 
@@ -236,7 +240,7 @@ class Checkpointer:
         self._hold_steps = [optimizer.register_step_pre_hook(wait_for_copy)
                             for optimizer in registered_optimizers(self.registry)]
 
-    def _commit(self, directory: Path, step: int, start: float, blocking: float,
+    def _commit(self, directory: Store, step: int, start: float, blocking: float,
                 finish: Callable[[], dict[str, dict]]) -> None:
         """Every rank: finish writing and hand its checksums to rank 0, which writes the marker and prunes."""
         with failing_save(directory, discard=self.rank == 0):
@@ -297,7 +301,7 @@ class Checkpointer:
             raise CheckpointError(error)
         if chosen is None:
             return None
-        directory = step_dir(self.root, chosen)
+        directory = step_store(self.root, chosen)
         marker = read_marker(directory)
         saved = open_saved(directory, marker)
         # The run's own tensors, filled in place; members the checkpoint lacks keep theirs (registry.load).
@@ -321,7 +325,7 @@ class Checkpointer:
         log.info("resumed from %s (step %d, mode %s)", directory, saved.step, marker["mode"])
         return saved.step
 
-    def _check_shapes(self, directory: Path, saved: dict[str, list], current: dict[str, list],
+    def _check_shapes(self, directory: Store, saved: dict[str, list], current: dict[str, list],
                       saved_shared: dict) -> None:
         """Refuse a checkpoint whose tensors differ from the run's, naming the first one, before loading."""
         for name in [*current, *(n for n in saved if n not in current)]:
@@ -367,9 +371,9 @@ class Checkpointer:
 
     def _verify(self, step: int) -> None:
         if self.cfg.verify_on_load:
-            verify_checkpoint(step_dir(self.root, step))
+            verify_checkpoint(step_store(self.root, step))
         else:
-            read_marker(step_dir(self.root, step))
+            read_marker(step_store(self.root, step))
 
 
 def registered_optimizers(registry: StateRegistry) -> list[Optimizer]:
@@ -395,7 +399,7 @@ def save_failure(exc: BaseException) -> BaseException:
 
 
 @contextmanager
-def failing_save(directory: Path, discard: bool) -> Iterator[None]:
+def failing_save(directory: Store, discard: bool) -> Iterator[None]:
     """Around a save's writes: raise :func:`save_failure` of an error and, if ``discard`` (rank 0, once no
     rank writes any more), delete the torn step directory, which frees its space."""
     try:

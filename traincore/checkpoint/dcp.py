@@ -7,7 +7,10 @@ run, its resume and the export of a ``sync`` checkpoint never load DCP.
 
 from __future__ import annotations
 
+import dataclasses
+import io
 import pickle
+import uuid
 import warnings
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -18,10 +21,20 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
+
+# torch's record of where an item sits in a file (relative path, offset, length): ObjectStoreWriter
+# writes it into .metadata as FileSystemWriter does, so torch's own readers read our checkpoints.
+from torch.distributed.checkpoint.filesystem import CURRENT_DCP_VERSION, _StorageInfo
+from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
+from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, SavePlan, WriteItemType
 from torch.distributed.checkpoint.staging import AsyncStager
 from torch.distributed.checkpoint.state_dict_saver import AsyncSaveResponse
+from torch.distributed.checkpoint.storage import StorageReader, StorageWriter, WriteResult
+from torch.futures import Future
 
-from traincore.checkpoint.layout import CorruptCheckpointError, tmp_path, write_error
+from traincore.checkpoint.layout import CorruptCheckpointError, tmp_path, write_error, writing
+from traincore.checkpoint.store import Store, is_uri
+from traincore.checkpoint.writer import ChecksumStream
 
 METADATA = ".metadata"  # DCP's index of a directory's tensors
 # One thread, so no error is dropped (CheckedFileSystemWriter). Measured: 600 MB per rank, 2 processes at
@@ -83,20 +96,98 @@ class CheckedFileSystemWriter(dcp.FileSystemWriter):
         return files[-1] if files else self.directory
 
 
-def save_tensors(tensors: dict[str, Any], directory: Path, rank: int, group: dist.ProcessGroup | None,
-                 stager: AsyncStager | None = None) -> AsyncSaveResponse | None:
-    """Write this rank's part of ``tensors`` under ``directory``.
+class ObjectStoreWriter(StorageWriter):
+    """DCP's storage writer for an object store: each rank streams its one file straight into the store.
+
+    The file is torch's layout (``__<rank>_0.distcp``, each tensor torch.save'd at an offset recorded in
+    DCP's ``.metadata`` index with torch's own storage record), so a checkpoint copied out of the store is a
+    plain DCP directory that torch's FileSystemReader and ``format_utils`` read. torch's FileSystemWriter
+    cannot write there (its file layer is local paths; the fsspec one is not public API). Bytes pass a
+    CRC32 on their way up (:class:`~traincore.checkpoint.writer.ChecksumStream`), so the commit marker gets
+    each file's checksum without reading it back from the store; an upload is committed only when its
+    stream closes cleanly, so a failed rank leaves no partial file.
+    """
+
+    def __init__(self, store: Store, rank: int):
+        super().__init__()
+        self.store, self.writer_rank = store, rank
+        self.checksums: dict[str, dict] = {}  # of the files this rank wrote, by name
+        self.save_id = uuid.uuid4().hex
+
+    def reset(self, checkpoint_id: Any = None) -> None:
+        """Nothing to reset: one writer per save."""
+
+    def set_up_storage_writer(self, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
+        """Nothing to set up: the store is reached on the first write."""
+
+    def prepare_local_plan(self, plan: SavePlan) -> SavePlan:
+        return plan
+
+    def prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:
+        """Give each rank's plan its file name prefix, as torch's writer does (``__<rank>_``)."""
+        return [dataclasses.replace(plan, storage_data=f"__{i}_") for i, plan in enumerate(plans)]
+
+    def write_data(self, plan: SavePlan, planner: Any) -> Future:
+        """Stream this rank's items into its file; their offsets and lengths go to DCP's index."""
+        name = f"{plan.storage_data}0.distcp"
+        results = []
+        with writing(self.store.uri_of(name)), ChecksumStream(self.store.open(name, "wb")) as stream:
+            for item in plan.items:
+                data = planner.resolve_data(item)
+                offset = stream.tell()
+                if item.type == WriteItemType.BYTE_IO:
+                    stream.write(data.getbuffer())
+                else:
+                    torch.save(_compact_cpu(data), stream)
+                length = stream.tell() - offset
+                results.append(WriteResult(index=item.index, size_in_bytes=length,
+                                           storage_data=_StorageInfo(name, offset, length)))
+        self.checksums[name] = stream.checksum()
+        future: Future = Future()
+        future.set_result(results)
+        return future
+
+    def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
+        """Rank 0: DCP's ``.metadata`` index of every rank's items, written once their files are."""
+        metadata.version = CURRENT_DCP_VERSION
+        metadata.storage_data = {result.index: result.storage_data for part in results for result in part}
+        metadata.storage_meta = self.storage_meta()
+        with writing(self.store.uri_of(METADATA)):
+            self.checksums[METADATA] = self.store.write_bytes(METADATA, pickle.dumps(metadata))
+
+    def storage_meta(self) -> StorageMeta:
+        return StorageMeta(checkpoint_id=self.store.uri, save_id=self.save_id)
+
+    @classmethod
+    def validate_checkpoint_id(cls, checkpoint_id: Any) -> bool:
+        return is_uri(str(checkpoint_id))
+
+
+def _compact_cpu(tensor: torch.Tensor) -> torch.Tensor:
+    """``tensor`` on the CPU with a storage of its own size: torch.save writes a view's whole storage."""
+    tensor = tensor.detach().cpu()
+    return tensor.clone() if tensor.untyped_storage().nbytes() != tensor.nbytes else tensor
+
+
+def save_tensors(tensors: dict[str, Any], directory: Store, rank: int, group: dist.ProcessGroup | None,
+                 stager: AsyncStager | None = None
+                 ) -> tuple[AsyncSaveResponse | None, ObjectStoreWriter | None]:
+    """Write this rank's part of ``tensors`` under ``directory``; returns the async response (None for a
+    blocking save) and, in an object store, the writer, which holds the checksums of what it wrote.
 
     With a ``stager`` (whose ``stage`` returns a Future): an async save, returning the futures of the copy
     and of the write as soon as the stager has started the copy.
     """
-    kwargs = {"storage_writer": CheckedFileSystemWriter(directory, rank), "process_group": group,
-              "no_dist": group is None}
+    writer = (CheckedFileSystemWriter(directory.path, rank) if directory.local
+              else ObjectStoreWriter(directory, rank))
+    kwargs = {"storage_writer": writer, "process_group": group, "no_dist": group is None}
     with single_process_quiet(group is None):
         if stager is None:
             dcp.save(tensors, **kwargs)
-            return None
-        return dcp.async_save(tensors, async_stager=stager, **kwargs)
+            response = None
+        else:
+            response = dcp.async_save(tensors, async_stager=stager, **kwargs)
+    return response, None if directory.local else writer
 
 
 # ---- reading -------------------------------------------------------------------------------------
@@ -121,17 +212,79 @@ class SafeFileSystemReader(dcp.FileSystemReader):
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> Any:
         with open(Path(self.path) / METADATA, "rb") as handle:
-            metadata = _MetadataUnpickler(handle).load()
-        if getattr(metadata, "storage_meta", None) is not None:
-            metadata.storage_meta.load_id = self.load_id
-        return metadata
+            return _loaded_metadata(handle, self.load_id)
 
 
-def tensor_index(directory: Path) -> dict:
+def _loaded_metadata(handle: Any, load_id: str) -> Any:
+    metadata = _MetadataUnpickler(handle).load()
+    if getattr(metadata, "storage_meta", None) is not None:
+        metadata.storage_meta.load_id = load_id
+    return metadata
+
+
+class ObjectStoreReader(StorageReader):
+    """DCP's storage reader for a checkpoint in an object store, read in place: each rank fetches the byte
+    ranges of the items it needs (DCP has resharded the plan), concurrently, and nothing else. ``.metadata``
+    goes through the same allow-list unpickler as a local one."""
+
+    def __init__(self, store: Store):
+        super().__init__()
+        self.store = store
+        self.storage_data: dict = {}
+        self.load_id = uuid.uuid4().hex
+
+    def reset(self, checkpoint_id: Any = None) -> None:
+        self.storage_data = {}
+
+    def read_metadata(self, *args: Any, **kwargs: Any) -> Any:
+        return _loaded_metadata(io.BytesIO(self.store.read_bytes(METADATA)), self.load_id)
+
+    def set_up_storage_reader(self, metadata: Any, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
+        self.storage_data = metadata.storage_data
+
+    def prepare_local_plan(self, plan: LoadPlan) -> LoadPlan:
+        return plan
+
+    def prepare_global_plan(self, plans: list[LoadPlan]) -> list[LoadPlan]:
+        return plans
+
+    def read_data(self, plan: LoadPlan, planner: Any) -> Future:
+        """Fetch every item's byte range in one concurrent batch, then hand each to the planner."""
+        infos = [self.storage_data[item.storage_index] for item in plan.items]
+        blobs = self.store.read_ranges([(info.relative_path, info.offset, info.length) for info in infos])
+        for item, blob in zip(plan.items, blobs, strict=True):
+            if item.type == LoadItemType.BYTE_IO:
+                planner.load_bytes(item, io.BytesIO(blob))
+                continue
+            tensor = torch.load(io.BytesIO(blob), map_location="cpu", weights_only=True)
+            for dim, (offset, length) in enumerate(zip(item.storage_offsets, item.lengths, strict=True)):
+                if length < tensor.size(dim):
+                    tensor = tensor.narrow(dim, offset, length)
+            target = planner.resolve_tensor(item).detach()
+            if target.size() != tensor.size():
+                raise CorruptCheckpointError(
+                    f"{self.store.uri_of(infos[0].relative_path)}: item {item.storage_index.fqn} has shape "
+                    f"{tuple(tensor.size())}, DCP's plan expects {tuple(target.size())}")
+            target.copy_(tensor)
+            planner.commit_tensor(item, target)
+        future: Future = Future()
+        future.set_result(None)
+        return future
+
+    @classmethod
+    def validate_checkpoint_id(cls, checkpoint_id: Any) -> bool:
+        return is_uri(str(checkpoint_id))
+
+
+def _reader(directory: Store) -> StorageReader:
+    return SafeFileSystemReader(directory.path) if directory.local else ObjectStoreReader(directory)
+
+
+def tensor_index(directory: Store) -> dict:
     """DCP's index of the tensors under ``directory``: flattened name -> metadata (size, dtype)."""
-    path = directory / METADATA
+    path = directory.uri_of(METADATA)
     try:
-        metadata = SafeFileSystemReader(directory).read_metadata().state_dict_metadata
+        metadata = _reader(directory).read_metadata().state_dict_metadata
         if not isinstance(metadata, dict):
             raise TypeError(f"it holds a {type(metadata).__name__}, not DCP's index")
         return metadata
@@ -145,22 +298,22 @@ def tensor_index(directory: Path) -> dict:
                                      f"{directory}") from exc
 
 
-def load_into(state: dict[str, Any], directory: Path, group: dist.ProcessGroup | None) -> None:
+def load_into(state: dict[str, Any], directory: Store, group: dist.ProcessGroup | None) -> None:
     """Fill ``state``'s tensors in place from the DCP files under ``directory``, resharded by DCP."""
     try:
         with single_process_quiet(group is None):
-            dcp.load(state, storage_reader=SafeFileSystemReader(directory), process_group=group,
-                     no_dist=group is None)
+            dcp.load(state, storage_reader=_reader(directory), process_group=group, no_dist=group is None)
     except CheckpointException as exc:  # every rank gets it: DCP gathers the read results
         raise _read_error(directory, exc) from exc
 
 
-def _read_error(directory: Path, exc: CheckpointException) -> CorruptCheckpointError:
+def _read_error(directory: Store, exc: CheckpointException) -> CorruptCheckpointError:
     """A DCP read failure as one line naming the directory and its DCP files (DCP's error names none)."""
     failures = ", ".join(f"{type(error).__name__} on rank {rank}" for rank, (error, _) in
                          sorted(exc.failures.items()))
-    files = ", ".join(sorted(p.name for p in directory.glob("*.distcp"))) or "no .distcp file"
-    return CorruptCheckpointError(f"reading the DCP files of checkpoint {directory} ({files}, {METADATA}) "
+    files = ", ".join(sorted(name for name in directory.entries() if name.endswith(".distcp")))
+    return CorruptCheckpointError(f"reading the DCP files of checkpoint {directory} "
+                                  f"({files or 'no .distcp file'}, {METADATA}) "
                                   f"failed ({failures}, chained): one is damaged or was not written by "
                                   "traincore.checkpoint.checkpointer: resume from another step, or delete "
                                   f"{directory}")

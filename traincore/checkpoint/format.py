@@ -24,6 +24,7 @@ from typing import Any
 import torch
 
 from traincore.checkpoint.layout import EXTRA_FILE, STATE_FILE, CorruptCheckpointError, load_file, read_marker
+from traincore.checkpoint.store import Store, as_store
 
 # Where version 2 kept the tensors that version 3 keeps under these member paths.
 _V2_TENSORS = {"model": ("model",), "optim": ("optimizer", "state")}
@@ -75,11 +76,12 @@ class SavedState:
     shapes: dict[str, list[int]]  # every saved tensor of the shared state, by flattened name
 
 
-def open_saved(directory: Path, marker: dict) -> SavedState:
-    """Read everything but the DCP tensors (a sync checkpoint is read whole, memory-mapped)."""
+def open_saved(directory: str | Path | Store, marker: dict) -> SavedState:
+    """Read everything but the DCP tensors (a sync checkpoint is read whole; locally memory-mapped)."""
+    directory = as_store(directory)
     if marker["format"] == "torch_save":
-        path = directory / STATE_FILE
-        saved = load_file(path)
+        path = directory.uri_of(STATE_FILE)
+        saved = load_file(directory, STATE_FILE)
         if marker["format_version"] == 2:
             _check_layout(saved, path, {"extra": dict, "model": dict, "optim": dict})
             saved = _v2_or_corrupt(path, saved["extra"], saved["model"], saved["optim"])
@@ -88,8 +90,8 @@ def open_saved(directory: Path, marker: dict) -> SavedState:
         return SavedState(saved["step"], saved["shared"], saved["per_rank"], shapes)
     from traincore.checkpoint.dcp import tensor_index
 
-    path = directory / EXTRA_FILE
-    extra = load_file(path)
+    path = directory.uri_of(EXTRA_FILE)
+    extra = load_file(directory, EXTRA_FILE)
     shapes = {key: list(md.size) for key, md in tensor_index(directory).items()}
     if marker["format_version"] == 2:
         _check_layout(extra, path, {})
@@ -99,7 +101,7 @@ def open_saved(directory: Path, marker: dict) -> SavedState:
     return SavedState(extra["step"], extra["shared"], extra["per_rank"], shapes)
 
 
-def _check_layout(saved: Any, path: Path, fields: dict[str, type]) -> None:
+def _check_layout(saved: Any, path: str, fields: dict[str, type]) -> None:
     """CorruptCheckpointError unless ``saved`` is a dict with ``fields`` of those types."""
     if not isinstance(saved, dict):
         wrong = [f"it holds a {type(saved).__name__}, not a dict"]
@@ -111,18 +113,18 @@ def _check_layout(saved: Any, path: Path, fields: dict[str, type]) -> None:
         raise CorruptCheckpointError(f"checkpoint file {path} does not hold a traincore checkpoint's layout "
                                      f"({expected}); wrong: {', '.join(wrong)}: it was not written by "
                                      f"traincore: resume from another step, or delete "
-                                     f"{path.parent}")
+                                     f"{path.rsplit('/', 1)[0]}")
 
 
-def _v2_or_corrupt(path: Path, extra: dict, model: dict, optim: dict) -> dict[str, Any]:
+def _v2_or_corrupt(path: str, extra: dict, model: dict, optim: dict) -> dict[str, Any]:
     try:
         return _from_v2(extra, model, optim)
     except (KeyError, TypeError) as exc:
         raise CorruptCheckpointError(f"checkpoint file {path} lacks {exc} of a version-2 checkpoint: resume "
-                                     f"from another step, or delete {path.parent}") from exc
+                                     f"from another step, or delete {path.rsplit('/', 1)[0]}") from exc
 
 
-def load_tensors(saved: SavedState, directory: Path, marker: dict, template: dict[str, Any],
+def load_tensors(saved: SavedState, directory: Store, marker: dict, template: dict[str, Any],
                  process_group: Any = None) -> None:
     """Fill ``template`` (the run's own tensors, resharded by DCP) and merge it into ``saved.shared``."""
     if marker["format"] == "torch_save":
@@ -136,9 +138,10 @@ def load_tensors(saved: SavedState, directory: Path, marker: dict, template: dic
     saved.shared = merge(saved.shared, template)
 
 
-def read_checkpoint(directory: str | Path) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
-    """Model weights and ``{"step", "meta"}`` of one step directory, in this process alone (export)."""
-    directory = Path(directory)
+def read_checkpoint(directory: str | Path | Store) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+    """Model weights and ``{"step", "meta"}`` of one step directory (local or in an object store), in this
+    process alone (export)."""
+    directory = as_store(directory)
     marker = read_marker(directory)
     saved = open_saved(directory, marker)
     if marker["format"] == "dcp":
@@ -148,7 +151,7 @@ def read_checkpoint(directory: str | Path) -> tuple[dict[str, torch.Tensor], dic
     return saved.shared["model"], {"step": saved.step, "meta": saved.shared.get("run", {})}
 
 
-def _dcp_model_entries(directory: Path) -> dict[str, tuple[list[int], torch.dtype]]:
+def _dcp_model_entries(directory: Store) -> dict[str, tuple[list[int], torch.dtype]]:
     from traincore.checkpoint.dcp import tensor_index
 
     return {key: (list(md.size), md.properties.dtype) for key, md in tensor_index(directory).items()

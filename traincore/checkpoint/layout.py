@@ -29,8 +29,8 @@ from __future__ import annotations
 
 import errno
 import json
+import logging
 import re
-import shutil
 import zlib
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -39,7 +39,8 @@ from typing import Any
 
 import torch
 
-from traincore.files import fsync_path, publish
+from traincore.checkpoint.store import Store, as_store, read_stream
+from traincore.files import publish
 
 FORMAT_VERSION = 3  # 3: the state registry's members (2: fixed model/optim/extra layout; 1: sha256)
 READABLE_VERSIONS = (2, FORMAT_VERSION)  # traincore.checkpoint.format reads both
@@ -54,6 +55,8 @@ _BLOCK = 8 << 20  # read size when checksumming a file
 MODES = ("sync", "dcp", "async")
 _CRC32 = re.compile(r"^[0-9a-f]{8}$")
 _MARKER_KEYS = {"format_version", "step", "mode", "world_size", "format", "checksum", "files"}
+
+log = logging.getLogger(__name__)
 
 
 class CheckpointError(ValueError):
@@ -106,35 +109,43 @@ def writing(path: str | Path) -> Iterator[None]:
 
 # ---- step directories ----------------------------------------------------------------------------
 
+def step_name(step: int) -> str:
+    """The name of ``step``'s directory (``step-000123``)."""
+    return f"step-{step:06d}"
+
+
 def step_dir(root: str | Path, step: int) -> Path:
-    """The directory of ``step`` under ``root``."""
-    return Path(root) / f"step-{step:06d}"
+    """The directory of ``step`` under the local ``root``."""
+    return Path(root) / step_name(step)
+
+
+def step_store(root: str | Path | Store, step: int) -> Store:
+    """The location of ``step`` under ``root``, local or in an object store."""
+    return as_store(root).child(step_name(step))
 
 
 def parse_step_name(name: str) -> int | None:
     """The step of a step directory's name (``step-000123`` -> 123), or None for any other name."""
     match = _STEP_NAME.match(name)
-    # Only the name step_dir() writes counts: "step-123" or "step-0000123" is not a checkpoint.
-    if match is None or name != step_dir("", int(match.group(1))).name:
+    # Only the name step_name() writes counts: "step-123" or "step-0000123" is not a checkpoint.
+    if match is None or name != step_name(int(match.group(1))):
         return None
     return int(match.group(1))
 
 
-def _step_dirs(root: str | Path) -> dict[int, Path]:
-    root = Path(root)
-    if not root.is_dir():
-        return {}
-    found = ((parse_step_name(p.name), p) for p in root.iterdir() if p.is_dir())
-    return {step: p for step, p in found if step is not None}
+def _step_dirs(root: str | Path | Store) -> dict[int, Store]:
+    store = as_store(root)
+    found = ((parse_step_name(name), name) for name, kind in store.entries().items() if kind == "dir")
+    return {step: store.child(name) for step, name in found if step is not None}
 
 
-def complete_steps(root: str | Path) -> list[int]:
+def complete_steps(root: str | Path | Store) -> list[int]:
     """Steps under ``root`` that have a commit marker, oldest first; needs no process group."""
-    return sorted(step for step, path in _step_dirs(root).items() if (path / MARKER).is_file())
+    return sorted(step for step, location in _step_dirs(root).items() if location.is_file(MARKER))
 
 
 def latest_complete(root: str | Path) -> Path | None:
-    """The newest complete step directory under ``root``, or None."""
+    """The newest complete step directory under the local ``root``, or None."""
     steps = complete_steps(root)
     return step_dir(root, steps[-1]) if steps else None
 
@@ -144,38 +155,50 @@ def tmp_path(path: Path) -> Path:
     return path.with_name(f".{path.name}.tmp")
 
 
-def is_torn(directory: Path) -> bool:
+def is_torn(directory: str | Path | Store) -> bool:
     """A step directory without a marker that holds only files a save writes (or none): a save that did
     not finish, which may be deleted."""
-    return (directory.is_dir() and not directory.is_symlink() and not (directory / MARKER).exists()
-            and all(p.is_file() and _SAVED_FILE.match(p.name) for p in directory.iterdir()))
+    store = as_store(directory)
+    if store.local and (not store.path.is_dir() or store.path.is_symlink()):
+        return False
+    entries = store.entries()
+    if not store.local and not entries:
+        return False  # an object store has no empty directories: nothing is there
+    return MARKER not in entries and all(kind == "file" and _SAVED_FILE.match(name)
+                                         for name, kind in entries.items())
 
 
-def foreign_entries(root: str | Path) -> list[Path]:
+def foreign_entries(root: str | Path | Store) -> list[str]:
     """Entries of ``root`` named ``step-*`` that are neither a checkpoint nor a torn save of ours."""
-    root = Path(root)
-    if not root.is_dir():
-        return []
-    return sorted(p for p in root.iterdir() if p.name.startswith("step-") and (
-        parse_step_name(p.name) is None or not p.is_dir() or not ((p / MARKER).exists() or is_torn(p))))
+    store = as_store(root)
+    found = []
+    for name, kind in sorted(store.entries().items()):
+        if not name.startswith("step-"):
+            continue
+        child = store.child(name)
+        if parse_step_name(name) is None or kind != "dir" or not (child.is_file(MARKER) or is_torn(child)):
+            found.append(store.uri_of(name))
+    return found
 
 
-def clear_step(directory: Path) -> None:
+def clear_step(directory: str | Path | Store) -> None:
     """Delete what a save of this step finds at ``directory``: a torn save or a checkpoint of ours (it is
     saved again); CheckpointError, deleting nothing, for anything else."""
-    if not (directory.exists() or directory.is_symlink()):
+    store = as_store(directory)
+    if not store.exists():
         return
-    if not (is_torn(directory) or _marker_is_ours(directory)):
-        raise CheckpointError(f"cannot save step {parse_step_name(directory.name)}: {directory} exists and "
+    if not (is_torn(store) or _marker_is_ours(store)):
+        parent = store.uri.rsplit("/", 1)[0]
+        raise CheckpointError(f"cannot save step {parse_step_name(store.name)}: {store} exists and "
                               "is not a checkpoint of traincore (another program's file or directory), and "
-                              f"it is never deleted: move it out of {directory.parent}, or choose another "
+                              f"it is never deleted: move it out of {parent}, or choose another "
                               "checkpoint root")
-    remove_step(directory)
+    remove_step(store)
 
 
-def _marker_is_ours(directory: Path) -> bool:
+def _marker_is_ours(directory: Store) -> bool:
     """Whether ``directory`` is a step directory whose commit marker traincore wrote (intact or damaged)."""
-    if directory.is_symlink() or not (directory / MARKER).is_file():
+    if (directory.local and directory.path.is_symlink()) or not directory.is_file(MARKER):
         return False
     try:
         read_marker(directory)
@@ -193,71 +216,103 @@ def checksum_entry(crc: int, num_bytes: int) -> dict:
     return {"bytes": num_bytes, "crc32": f"{crc:08x}"}
 
 
-def file_checksum(path: str | Path) -> dict:
-    """Size and CRC32 of a file as the commit marker records them, read in 8 MiB blocks."""
+def stream_checksum(stream: Any) -> dict:
+    """Size and CRC32 of what ``stream`` holds from its position on, read in 8 MiB blocks."""
     crc, num_bytes, block = 0, 0, bytearray(_BLOCK)
-    with open(path, "rb", buffering=0) as f:
-        while n := f.readinto(block):
-            crc = zlib.crc32(memoryview(block)[:n], crc)
-            num_bytes += n
+    while n := stream.readinto(block):
+        crc = zlib.crc32(memoryview(block)[:n], crc)
+        num_bytes += n
     return checksum_entry(crc, num_bytes)
 
 
-def checksum_share(directory: Path, rank: int, world_size: int) -> dict[str, dict]:
+def file_checksum(path: str | Path) -> dict:
+    """Size and CRC32 of a local file as the commit marker records them."""
+    with open(path, "rb", buffering=0) as f:
+        return stream_checksum(f)
+
+
+def store_checksum(store: Store, name: str) -> dict:
+    """Size and CRC32 of the file ``name`` in ``store``, read back from it."""
+    if store.local:
+        return file_checksum(store.path / name)
+    with store.open(name) as f:
+        return stream_checksum(f)
+
+
+def checksum_share(directory: str | Path | Store, rank: int, world_size: int) -> dict[str, dict]:
     """Checksums of this rank's share of the DCP files under ``directory``, read back once written: every
     file but ours (:data:`OWN_FILES`), by name, dealt out round-robin so each is read once."""
+    store = as_store(directory)
     own = {*OWN_FILES, *(tmp_path(Path(name)).name for name in OWN_FILES)}
-    names = sorted(p.name for p in directory.iterdir() if p.is_file() and p.name not in own)
-    return {name: file_checksum(directory / name) for name in names[rank::world_size]}
+    names = sorted(name for name, kind in store.entries().items() if kind == "file" and name not in own)
+    return {name: store_checksum(store, name) for name in names[rank::world_size]}
 
 
-def load_file(path: Path) -> Any:
-    """A torch.save file, memory-mapped, restricted to weights_only; CorruptCheckpointError naming the file
-    when it is missing or torch.load cannot read it."""
+def load_file(directory: str | Path | Store, name: str) -> Any:
+    """A torch.save file of a step directory (local: memory-mapped), restricted to weights_only;
+    CorruptCheckpointError naming the file when it is missing or torch.load cannot read it."""
+    store = as_store(directory)
+    path = store.uri_of(name)
     try:
-        return torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+        if store.local:
+            return torch.load(store.path / name, map_location="cpu", weights_only=True, mmap=True)
+        return torch.load(read_stream(store, name), map_location="cpu", weights_only=True)
     except FileNotFoundError as exc:
         raise CorruptCheckpointError(f"checkpoint file {path} is missing: resume from another step, or "
-                                     f"delete {path.parent}") from exc
+                                     f"delete {store}") from exc
     except Exception as exc:  # torch.load's reader reports a damaged or foreign file as whatever it hit
         raise CorruptCheckpointError(
             f"checkpoint file {path} cannot be read by torch.load ({type(exc).__name__}, chained): it is "
             f"damaged or was not written by traincore: resume from another step, or delete "
-            f"{path.parent}") from exc
+            f"{store}") from exc
 
 
 # ---- the commit marker ---------------------------------------------------------------------------
 
-def write_marker(directory: Path, step: int, mode: str, world_size: int, checksums: dict[str, dict]) -> int:
+def write_marker(directory: str | Path | Store, step: int, mode: str, world_size: int,
+                 checksums: dict[str, dict]) -> int:
     """Write the commit marker; returns the checkpoint's bytes.
 
     ``checksums`` holds the entries the ranks computed; a file without one is read here. The directory is
-    the truth: every file in it is listed, entries of files it does not hold are left out.
+    the truth: every file in it is listed (in an object store: every object the listing shows, which holds
+    every object whose upload returned), entries of files it does not hold are left out, and a file whose
+    size differs from its entry is an error: a rank's upload is not what it reported.
     """
-    paths = {p.relative_to(directory).as_posix(): p for p in sorted(directory.rglob("*"))
-             if p.is_file() and p.name != MARKER}
-    files = {name: checksums[name] if name in checksums else file_checksum(path)
-             for name, path in paths.items()}
+    store = as_store(directory)
+    present = {name: size for name, size in store.files().items()
+               if name != MARKER and name != tmp_path(Path(MARKER)).name}
+    files = {}
+    for name, size in present.items():
+        entry = checksums[name] if name in checksums else store_checksum(store, name)
+        if entry["bytes"] != size:
+            raise CheckpointWriteError(f"checkpoint file {store.uri_of(name)} holds {size} bytes, its "
+                                       f"writer reported {entry['bytes']}: not committing this save")
+        files[name] = entry
     marker = {"format_version": FORMAT_VERSION, "step": step, "mode": mode, "world_size": world_size,
               "format": "torch_save" if mode == "sync" else "dcp", "checksum": "crc32", "files": files}
-    tmp = tmp_path(directory / MARKER)
-    with writing(tmp):
-        tmp.write_text(json.dumps(marker, indent=1))
-        publish(tmp, directory / MARKER)
+    text = json.dumps(marker, indent=1).encode()
+    if store.local:
+        tmp = tmp_path(store.path / MARKER)
+        with writing(tmp):
+            tmp.write_bytes(text)
+            publish(tmp, store.path / MARKER)
+    else:
+        with writing(store.uri_of(MARKER)):
+            store.write_bytes(MARKER, text)
     return sum(entry["bytes"] for entry in files.values())
 
 
-def read_marker(directory: str | Path) -> dict:
+def read_marker(directory: str | Path | Store) -> dict:
     """The commit marker of a step directory, checked field by field.
 
     CheckpointError when it is absent, unreadable, another program's or of a format version this code does
     not read; CorruptCheckpointError (which resume answers by falling back) when it is damaged: not UTF-8,
     not JSON, or a field of the wrong type.
     """
-    directory = Path(directory)
-    path = directory / MARKER
+    directory = as_store(directory)
+    path = directory.uri_of(MARKER)
     try:
-        text = path.read_bytes().decode("utf-8")
+        text = directory.read_bytes(MARKER).decode("utf-8")
     except FileNotFoundError as exc:
         raise CheckpointError(f"{directory} has no {MARKER}, so it is not a complete checkpoint (a save that "
                               "did not finish, or a directory another program wrote): pass a step directory "
@@ -328,41 +383,42 @@ def _marker_problem(marker: dict) -> str | None:
     return None
 
 
-def verify_checkpoint(directory: str | Path) -> None:
+def verify_checkpoint(directory: str | Path | Store) -> None:
     """Raise CorruptCheckpointError naming the first file whose size or CRC32 differs from the marker."""
-    directory = Path(directory)
-    for name, expected in read_marker(directory)["files"].items():
-        path = directory / name
-        size = path.stat().st_size if path.is_file() else None
+    store = as_store(directory)
+    for name, expected in read_marker(store)["files"].items():
+        size = store.size(name)
         if size != expected["bytes"]:
-            raise CorruptCheckpointError(f"checkpoint file {path} is missing or truncated: {size} bytes, the "
-                                         f"commit marker records {expected['bytes']}: resume from another "
-                                         f"step, or delete {directory}")
-        if file_checksum(path)["crc32"] != expected["crc32"]:
-            raise CorruptCheckpointError(f"checkpoint file {path} is corrupt: its CRC32 differs from the "
-                                         f"commit marker: resume from another step, or delete {directory}")
+            raise CorruptCheckpointError(f"checkpoint file {store.uri_of(name)} is missing or truncated: "
+                                         f"{size} bytes, the commit marker records {expected['bytes']}: "
+                                         f"resume from another step, or delete {store}")
+        if store_checksum(store, name)["crc32"] != expected["crc32"]:
+            raise CorruptCheckpointError(f"checkpoint file {store.uri_of(name)} is corrupt: its CRC32 "
+                                         "differs from the commit marker: resume from another step, or "
+                                         f"delete {store}")
 
 
 # ---- pruning -------------------------------------------------------------------------------------
 
-def remove_step(directory: Path) -> None:
+def remove_step(directory: str | Path | Store) -> None:
     """Delete a step directory, complete or torn."""
-    # The marker goes first, and its removal reaches the disk before any other file goes: a crash (or power
-    # cut) half-way leaves a torn directory, never a complete-looking one with files missing.
-    marker = directory / MARKER
-    if marker.exists():
-        marker.unlink(missing_ok=True)
-        fsync_path(directory)
-    shutil.rmtree(directory, ignore_errors=True)
+    # The marker goes first, and (locally) its removal reaches the disk before any other file goes: a crash
+    # (or power cut) half-way leaves a torn directory, never a complete-looking one with files missing.
+    store = as_store(directory)
+    store.remove_file(MARKER)
+    store.remove_tree()
 
 
-def prune(root: Path, keep_last: int) -> None:
+def prune(root: str | Path | Store, keep_last: int) -> None:
     """Keep the newest ``keep_last`` complete steps; delete older ones and torn ones older than the newest
     (never an entry that is not ours)."""
-    complete = complete_steps(root)
+    steps = _step_dirs(root)
+    complete = sorted(step for step, location in steps.items() if location.is_file(MARKER))
     if not complete:
         return
-    old = [s for s in complete[:-keep_last] if _marker_is_ours(step_dir(root, s))]
-    torn_older = [s for s, path in _step_dirs(root).items() if s < complete[-1] and is_torn(path)]
-    for step in old + torn_older:
-        remove_step(step_dir(root, step))
+    old = [steps[s] for s in complete[:-keep_last] if _marker_is_ours(steps[s])]
+    torn_older = [location for s, location in steps.items() if s < complete[-1] and is_torn(location)]
+    for location in torn_older:
+        log.info("deleting %s: a save that never committed", location)
+    for location in old + torn_older:
+        remove_step(location)

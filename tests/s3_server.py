@@ -41,6 +41,17 @@ class S3Server:
         return {"FLYTE_AWS_ENDPOINT": self.endpoint, "FLYTE_AWS_ACCESS_KEY_ID": DUMMY_KEY,
                 "FLYTE_AWS_SECRET_ACCESS_KEY": DUMMY_SECRET}
 
+    @property
+    def storage_options(self) -> dict:
+        """fsspec's (s3fs's) options for the store, as a task derives them from FLYTE_AWS_*."""
+        return {"key": DUMMY_KEY, "secret": DUMMY_SECRET, "client_kwargs": {"endpoint_url": self.endpoint}}
+
+    @property
+    def aws_env(self) -> dict[str, str]:
+        """The store through the standard AWS variables, as a user of traincore alone sets them."""
+        return {"AWS_ENDPOINT_URL": self.endpoint, "AWS_ACCESS_KEY_ID": DUMMY_KEY,
+                "AWS_SECRET_ACCESS_KEY": DUMMY_SECRET, "AWS_DEFAULT_REGION": "us-east-1"}
+
     def client(self):
         """A boto3 S3 client on the same endpoint."""
         import boto3

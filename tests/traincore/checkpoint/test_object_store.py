@@ -1,0 +1,174 @@
+"""Checkpoint roots in an object store (a local S3 server, moto): every mode writes straight into the store,
+the commit marker is the commit, and loading reads from the store, in one process and on real gloo ranks."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import subprocess
+import uuid
+import zlib
+from pathlib import Path
+
+import pytest
+import torch
+from test_checkpoint import assert_same, load, make_state, save_steps, snapshot, train  # noqa: I001  (beside this file)
+from trainruns import TINY, train_cmd
+
+from traincore.checkpoint.checkpointer import Checkpointer
+from traincore.checkpoint.format import read_checkpoint
+from traincore.checkpoint.layout import MARKER, CheckpointError, complete_steps, read_marker, step_store
+from traincore.checkpoint.store import Store
+from traincore.config import CHECKPOINT_MODES, CheckpointConfig
+from traincore.preflight import OutputError, ensure_writable_store
+
+pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
+
+
+def fresh_root(s3, name: str) -> Store:
+    """A new, empty prefix of the test bucket as a checkpoint root."""
+    return Store(f"s3://{s3.bucket}/{name}-{uuid.uuid4().hex[:8]}", s3.storage_options)
+
+
+def objects(s3, root: Store) -> dict[str, bytes]:
+    """Every object under ``root`` by its name relative to the root, read with boto3 (not through fsspec)."""
+    prefix = root.uri.removeprefix(f"s3://{s3.bucket}/") + "/"
+    client = s3.client()
+    return {key.removeprefix(prefix): client.get_object(Bucket=s3.bucket, Key=key)["Body"].read()
+            for key in s3.keys(prefix)}
+
+
+def marker_matches_store(s3, root: Store, step: int) -> dict:
+    """The marker of ``step`` lists every other object of its prefix with its true size and CRC32."""
+    name = step_store(root, step).name
+    found = {key.removeprefix(f"{name}/"): data for key, data in objects(s3, root).items()
+             if key.startswith(f"{name}/") and key != f"{name}/{MARKER}"}
+    marker = read_marker(step_store(root, step))
+    assert marker["files"] == {key: {"bytes": len(data), "crc32": f"{zlib.crc32(data):08x}"}
+                               for key, data in found.items()}
+    return marker
+
+
+@pytest.mark.parametrize("mode", CHECKPOINT_MODES)
+def test_every_mode_commits_into_the_store_and_resumes_bitwise(s3_server, mode):
+    root = fresh_root(s3_server, mode)
+    state = save_steps(root, mode, [2, 4, 6], keep_last=2)
+    assert complete_steps(root) == [4, 6]  # pruned in the store too
+    marker = marker_matches_store(s3_server, root, 6)
+    expected = {"state.pt"} if mode == "sync" else {"extra.pt", ".metadata", "__0_0.distcp"}
+    assert set(marker["files"]) == expected and marker["mode"] == mode
+    resumed = make_state(seed=1)
+    assert load(root, resumed, mode=mode) == 6
+    assert_same(snapshot(state), snapshot(resumed))
+    train(state, 2)
+    train(resumed, 2)
+    assert_same(snapshot(state), snapshot(resumed))
+    weights, info = read_checkpoint(step_store(root, 6))  # what export reads, straight from the store
+    assert info["step"] == 6 and set(weights) == set(snapshot(make_state())["model"])
+
+
+def test_a_prefix_without_marker_never_loads_and_junk_is_named_not_deleted(s3_server, caplog):
+    root = fresh_root(s3_server, "junk")
+    save_steps(root, "dcp", [2, 4])
+    client, prefix = s3_server.client(), root.uri.removeprefix(f"s3://{s3_server.bucket}/")
+    # A save killed mid-upload: every file but the marker (ours, torn); and another program's prefix.
+    for key, data in objects(s3_server, root).items():
+        if key.startswith("step-000004/") and not key.endswith(MARKER):
+            client.put_object(Bucket=s3_server.bucket, Key=f"{prefix}/step-000006/{key.split('/', 1)[1]}",
+                              Body=data)
+    client.put_object(Bucket=s3_server.bucket, Key=f"{prefix}/step-000008/notes.txt", Body=b"not ours")
+    caplog.set_level(logging.WARNING)
+    assert complete_steps(root) == [2, 4]
+    assert load(root, mode="dcp") == 4
+    assert f"{root.uri}/step-000008" in caplog.text and "step-000006" not in caplog.text
+    with pytest.raises(CheckpointError, match="no complete checkpoint for step 6"):
+        load(root, step=6, mode="dcp")
+    save_steps(root, "dcp", [10])  # its prune deletes our torn prefix, never the other program's
+    names = set(objects(s3_server, root))
+    assert not any(name.startswith("step-000006/") for name in names)
+    assert "step-000008/notes.txt" in names
+
+
+def test_a_corrupt_object_falls_back_to_the_previous_step_naming_it(s3_server, caplog):
+    root = fresh_root(s3_server, "corrupt")
+    save_steps(root, "sync", [2, 4])
+    key = f"{root.uri.removeprefix(f's3://{s3_server.bucket}/')}/step-000004/state.pt"
+    client = s3_server.client()
+    data = bytearray(client.get_object(Bucket=s3_server.bucket, Key=key)["Body"].read())
+    data[len(data) // 2] ^= 0xFF  # one flipped byte, same size
+    client.put_object(Bucket=s3_server.bucket, Key=key, Body=bytes(data))
+    caplog.set_level(logging.WARNING)
+    assert load(root, mode="sync") == 2
+    assert f"{root.uri}/step-000004/state.pt is corrupt" in caplog.text
+
+
+def test_a_save_that_fails_in_the_store_commits_nothing_and_names_the_file(s3_server):
+    state = make_state()
+    missing = Store(f"s3://missing-{uuid.uuid4().hex[:8]}/run", s3_server.storage_options)  # no such bucket
+    checkpointer = Checkpointer(missing, CheckpointConfig(mode="dcp"), state.registry)
+    try:
+        with pytest.raises(CheckpointError, match=rf"writing checkpoint file {missing.uri}/step-000001/"):
+            checkpointer.save(1)
+    finally:
+        checkpointer.close()
+    bucket = missing.uri.split("/")[2]
+    client = s3_server.client()
+    client.create_bucket(Bucket=bucket)  # now it exists: still nothing there, complete or torn
+    assert client.list_objects_v2(Bucket=bucket)["KeyCount"] == 0 and complete_steps(missing) == []
+
+
+def test_preflight_names_an_object_store_root_it_cannot_write(s3_server):
+    root = fresh_root(s3_server, "probe")
+    ensure_writable_store(root)
+    assert objects(s3_server, root) == {}  # the probe is gone again
+    with pytest.raises(OutputError, match=r"checkpoint root s3://no-such-bucket/x cannot be written .*"
+                                          r"the bucket exists and that the credentials"):
+        ensure_writable_store(Store("s3://no-such-bucket/x", s3_server.storage_options))
+
+
+# ---- several ranks, through the CLI --------------------------------------------------------------
+
+CONFIG = {**TINY, "checkpoint": {"every": 5}}
+
+
+def train_on_store(data_dir: Path, output: Path, nproc: int, root: str, env: dict, *flags: str) -> str:
+    done = subprocess.run(train_cmd(data_dir, output, nproc, "--checkpoint-dir", root, *flags, config=CONFIG),
+                          capture_output=True, text=True, timeout=300,
+                          env={**os.environ, "OMP_NUM_THREADS": "1", **env})
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    return done.stdout + done.stderr
+
+
+def model_weights(root: Store | Path, step: int) -> dict[str, torch.Tensor]:
+    return read_checkpoint(step_store(root, step))[0]
+
+
+@pytest.mark.parametrize("mode", ["dcp", "async"])
+def test_two_ranks_write_their_own_shards_and_the_root_reshards_on_one_and_three(s3_server, data_dir,
+                                                                                 tmp_path, mode):
+    s3, uri = s3_server, f"s3://{s3_server.bucket}/ranks-{mode}-{uuid.uuid4().hex[:8]}"
+    root = Store(uri, s3.storage_options)
+    # The standard AWS variables: what a user of traincore alone sets (tasks pass Flyte's settings instead).
+    train_on_store(data_dir, tmp_path / "two", 2, uri, s3.aws_env, "--max-steps", "10",
+                   "--checkpoint-mode", mode, "--parallelism", "fsdp")
+    assert complete_steps(root) == [5, 10]
+    for step in (5, 10):
+        marker = marker_matches_store(s3, root, step)
+        assert {"__0_0.distcp", "__1_0.distcp", ".metadata", "extra.pt"} == set(marker["files"])
+        assert marker["world_size"] == 2
+    # Exactly what the same run writes to a local disk.
+    local = tmp_path / "local"
+    train_on_store(data_dir, local, 2, str(local / "checkpoints"), {}, "--max-steps", "10",
+                   "--checkpoint-mode", mode, "--parallelism", "fsdp")
+    on_disk, in_store = model_weights(local / "checkpoints", 10), model_weights(root, 10)
+    assert on_disk.keys() == in_store.keys() and all(torch.equal(on_disk[k], in_store[k]) for k in on_disk)
+    # Resharded straight from the store: on 1 rank under DDP, on 3 under FSDP.
+    for nproc, parallelism, steps in ((1, "ddp", 15), (3, "fsdp", 20)):
+        out = train_on_store(data_dir, tmp_path / f"on-{nproc}", nproc, uri, s3.aws_env, "--max-steps",
+                             str(steps), "--checkpoint-mode", mode, "--parallelism", parallelism)
+        assert f"resumed from step {steps - 5} in {uri}" in out
+        assert complete_steps(root)[-1] == steps
+    secret = s3.aws_env["AWS_SECRET_ACCESS_KEY"].encode()
+    assert not [name for name, data in objects(s3, root).items() if secret in data]
+    assert json.loads(objects(s3, root)["step-000020/commit.json"])["world_size"] == 3
