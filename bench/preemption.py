@@ -4,7 +4,7 @@
 
 1. Per step: two gloo ranks on the CPU (spawned, one torch thread each) train the digits CNN under DDP on
    random 32x32 batches of 64, ``--steps`` steps per run, alternating runs without and with a
-   :class:`~traincore.preemption.PreemptionWatch` whose ``stop_requested()`` runs after every step, as the
+   :class:`~traincore.preemption.PreemptionWatch` whose ``agree()`` runs after every step, as the
    Trainer calls it (its agreement is an all-reduce on a gloo group of its own, started after one step and
    read after the next). The ratio is the median over ``--rounds`` of each round's watched/bare step time;
    the order of the two runs alternates from round to round.
@@ -56,7 +56,7 @@ def _timed_steps(watched: bool, steps: int) -> float:
             F.cross_entropy(model(x), y).backward()
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
-            if watch is not None and watch.stop_requested():
+            if watch is not None and watch.agree().stop:
                 raise RuntimeError("no signal was sent, yet the ranks agreed to stop")
         if watch is not None:
             watch.finish()

@@ -108,29 +108,6 @@ def check_topology(topology: Topology, local_run: bool) -> None:
                                f"{topology.gpus_per_node}: run one process per GPU")
 
 
-def check_checkpoint_root(cfg: Config, topology: Topology, checkpoint_uri: str,
-                          local_run: bool = False) -> None:
-    """Several nodes without a shared filesystem checkpoint node-locally and sync through an object store.
-
-    That works for rank 0's single-file ``sync`` checkpoints restored at the start of each Flyte attempt;
-    per-rank DCP parts and in-place torch-elastic restarts need every node to see one directory.
-    """
-    if topology.nnodes == 1 or (checkpoint_uri and not is_uri(checkpoint_uri)):
-        return
-    if topology.backend == SLURM_BACKEND and local_run and not checkpoint_uri:
-        return  # the default root is under the local raw output prefix, on the filesystem the cluster shares
-    if cfg.checkpoint.mode != "sync":
-        raise LaunchInputError(
-            f"checkpoint.mode={cfg.checkpoint.mode!r} with nnodes={topology.nnodes} writes one part per "
-            "rank, so it needs checkpoint_uri on a filesystem every node mounts; with an object-store root "
-            'set \'{"checkpoint": {"mode": "sync"}}\' in config_overrides')
-    if topology.max_restarts:
-        raise LaunchInputError(
-            f"input max_restarts={topology.max_restarts} with nnodes={topology.nnodes} and an object-store "
-            "checkpoint root would restart ranks from different node-local copies: set max_restarts=0 (Flyte "
-            "retries resume instead) or give checkpoint_uri on a filesystem every node mounts")
-
-
 def check_model(cfg: Config) -> None:
     """The model must take the images staging will produce (data.channels x data.image_size squared) in
     batches of loader.batch_size: vit_b_16 on 12 px data fails here, not after staging."""
@@ -238,7 +215,6 @@ def plan_run(source: str, preset: str, config_overrides: str, epochs: int, max_s
                         rdzv_timeout_s=cfg.dist.init_timeout_s, slurm=slurm)
     local_run = FlyteContextManager.current_context().execution_state.is_local_execution()
     check_topology(topology, local_run)
-    check_checkpoint_root(cfg, topology, checkpoint_uri, local_run)
     check_backend(cfg, topology, local_run)
     check_model(cfg)
     check_checkpoint_uri(checkpoint_uri, local_run)  # it may create the directory

@@ -14,6 +14,8 @@ from flytekit.core.context_manager import FlyteContextManager
 from flytekit.core.data_persistence import get_fsspec_storage_options
 from flytekit.types.directory import FlyteDirectory
 
+from traincore.checkpoint.layout import complete_steps
+from traincore.checkpoint.store import Store, is_uri
 from traincore.config import parse_source
 
 NODE_CACHE = Path(tempfile.gettempdir()) / "flyte-torch-pipeline"
@@ -21,25 +23,32 @@ NODE_CACHE = Path(tempfile.gettempdir()) / "flyte-torch-pipeline"
 LOCAL_EXECUTION_NAME = "local"
 
 
-def is_uri(location: str) -> bool:
-    """True for object-store URIs (s3://, gs://, ...); plain paths and file:// URIs are local."""
-    return "://" in location and not location.startswith("file://")
-
-
 def local_path(location: str) -> Path:
     """A plain path or a file:// URI as a Path."""
     return Path(location.removeprefix("file://"))
 
 
-def source_storage_options(source: str) -> dict:
-    """The fsspec options to read the data source ``source`` (``imagefolder:s3://...``) with: the object-store
-    settings flytekit is configured with (FLYTE_AWS_* for s3://), as Flyte reads its own data; none for a
-    local path or a built-in source. Where flytekit has none, the store's own defaults apply (AWS_*)."""
-    kind, location = parse_source(source)
-    if kind != "imagefolder" or not is_uri(location):
+def storage_options(location: str) -> dict:
+    """The fsspec options for an object-store URI: the settings flytekit is configured with (FLYTE_AWS_* for
+    s3://), as Flyte reads its own data; none for a local path. Where flytekit has none, the store's own
+    defaults apply (AWS_*, ~/.aws, an instance role)."""
+    if not is_uri(location):
         return {}
     data_config = FlyteContextManager.current_context().file_access.data_config
     return get_fsspec_storage_options(location.split("://", 1)[0], data_config)
+
+
+def source_storage_options(source: str) -> dict:
+    """The fsspec options to read the data source ``source`` (``imagefolder:s3://...``) with; none for a
+    built-in source."""
+    kind, location = parse_source(source)
+    return storage_options(location) if kind == "imagefolder" else {}
+
+
+def checkpoint_store(root: str) -> Store:
+    """The checkpoint root as traincore reads and writes it: a local directory, or the object-store prefix
+    every rank writes its own files into, with the store's credentials (never in a spec or a log)."""
+    return Store(local_path(root) if not is_uri(root) else root, storage_options(root))
 
 
 def local_directory(directory: FlyteDirectory) -> Path:
@@ -80,3 +89,16 @@ def default_checkpoint_root() -> str:
     if key == LOCAL_EXECUTION_NAME:
         key = f"{LOCAL_EXECUTION_NAME}-{uuid.uuid4().hex[:12]}"
     return f"{ctx.raw_output_prefix.rstrip('/')}/checkpoints/{key}"
+
+
+def resume_note(checkpoint_root: str) -> str:
+    """The step a retry resumes from, read from the checkpoint root (local or in an object store)."""
+    if not checkpoint_root:
+        return "a retry resumes from the latest complete checkpoint in the checkpoint root"
+    try:
+        steps = complete_steps(checkpoint_store(checkpoint_root))
+    except Exception:  # an unreachable store must not hide the failure being reported
+        return f"a retry resumes from the latest complete checkpoint in {checkpoint_root}"
+    if not steps:
+        return f"no complete checkpoint in {checkpoint_root} yet: a retry starts from the beginning"
+    return f"latest complete checkpoint: step {steps[-1]} in {checkpoint_root}; a retry resumes from it"

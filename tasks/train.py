@@ -35,9 +35,8 @@ from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 from torch.distributed.elastic.rendezvous.api import RendezvousError
 
 from tasks.failures import STDERR_DIR_ENV, captured_stderr, first_failure, vanished_workers
-from tasks.mirror import local_checkpoint_root, synced_checkpoints
 from tasks.rendezvous import rendezvous_failure
-from tasks.storage import is_uri, local_directory
+from tasks.storage import checkpoint_store, is_uri, local_directory, resume_note
 from tasks.types import StagedDataset, Topology, TrainResult
 from traincore.config import Config
 from traincore.launch import settle_worker, worker_threads
@@ -60,7 +59,7 @@ def train_model(config: Config, dataset: StagedDataset, checkpoint_root: str) ->
     try:
         with captured_stderr(int(os.environ.get("RANK", "0"))):
             summary = Trainer(config, local_directory(dataset.directory), output,
-                              local_checkpoint_root(checkpoint_root), started_at=process_start_time()).train()
+                              checkpoint_store(checkpoint_root), started_at=process_start_time()).train()
     except dist.DistError as exc:  # a peer vanished or the store timed out: infrastructure, worth a retry
         raise FlyteRecoverableException(f"distributed training failed transiently: {exc}") from exc
     except Preempted as exc:  # the step reached is saved: a retry resumes from it, losing nothing
@@ -81,9 +80,9 @@ def stop_preempted(preempted: Preempted | str, checkpoint_root: str) -> NoReturn
     if isinstance(preempted, Preempted):
         headline, message = preempted.headline, str(preempted)
     else:
-        headline = (f"stopped by {preempted} while starting, before a step of this attempt was trained: "
-                    "nothing new to save")
-        message = f"{headline}; the same command resumes from the last complete checkpoint, if any"
+        headline = (f"stopped by {preempted} before this attempt committed a checkpoint of the step it "
+                    "reached (it was starting, or its save outlasted checkpoint.preemption_grace_s)")
+        message = f"{headline}; {resume_note(checkpoint_root)}"
     if not FlyteContextManager.current_context().execution_state.is_local_execution():
         raise FlyteRecoverableException(message) from None
     advice = f"to resume, run the same pyflyte command with --checkpoint_uri {checkpoint_root}"
@@ -177,22 +176,23 @@ class ElasticTrainTask(TopologyTaskMixin, PytorchElasticFunctionTask):
             task_function=train_function(topology, wandb_secret), **task_settings(topology, wandb_secret))
 
     def execute(self, **kwargs):
-        """Validate before any worker starts; keep checkpoints synced while the workers run."""
+        """Validate before any worker starts (the checkpoint root too: an object store is probed)."""
         _use_wandb_secret(kwargs["config"])  # before validation checks the key; workers inherit the env
-        preflight(kwargs["config"], local_directory(kwargs["dataset"].directory))
         root = kwargs["checkpoint_root"]
-        with synced_checkpoints(root):
-            try:
-                return self._train(**kwargs)
-            except (IgnoreOutputs, FlyteRecoverableException) as exc:
-                # A preempted run's workers saved their step and left a record of it. The plugin says
-                # IgnoreOutputs when the signal reached this process too (its agent stopped the workers),
-                # or shows the workers' exit codes: the record says what happened instead. A signal that
-                # came while the workers were starting left no record, and nothing new to save.
-                preempted = read_record(local_checkpoint_root(root)) or agent_signal(exc)
-                if preempted is None:
-                    raise
-                stop_preempted(preempted, root)
+        store = checkpoint_store(root)
+        preflight(kwargs["config"], local_directory(kwargs["dataset"].directory),
+                  Path(flytekit.current_context().working_directory) / "run", store)
+        try:
+            return self._train(**kwargs)
+        except (IgnoreOutputs, FlyteRecoverableException) as exc:
+            # A preempted run's workers saved their step and left a record of it. The plugin says
+            # IgnoreOutputs when the signal reached this process too (its agent stopped the workers),
+            # or shows the workers' exit codes: the record says what happened instead. A signal that
+            # came while the workers were starting left no record, and nothing new to save.
+            preempted = read_record(store) or agent_signal(exc)
+            if preempted is None:
+                raise
+            stop_preempted(preempted, root)
 
     def _train(self, **kwargs):
         """Train in this process (one process, nothing to launch) or in the plugin's elastic workers."""

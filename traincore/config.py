@@ -295,7 +295,12 @@ class CheckpointConfig:
     mode: str = "sync"
     """``sync`` (rank 0 writes one file), ``dcp`` (each rank writes a part) or ``async`` (background dcp)."""
     every: int = 0
-    """Steps between saves; 0 = save only at the end."""
+    """Steps between saves; 0 = none by step count (the end, ``every_s`` and a preemption still save)."""
+    every_s: float = 300.0
+    """Seconds of wall clock between saves, agreed across ranks (the step after any rank's interval ran
+    out), so a hard failure with no signal to save on (a lost node, the OOM killer) loses at most about
+    this much work; 0 turns it off. 300 s costs a default ``sync`` save of 1.2 GB about 0.4% of the run and
+    an ``async`` one well under 0.01% (docs/checkpoints.md)."""
     keep_last: int = 3
     """Complete checkpoints to keep; older ones (and torn ones older than the newest) are deleted."""
     resume: str = "latest"
@@ -317,6 +322,8 @@ class CheckpointConfig:
         _check_types(self, "checkpoint")
         _check(self.preemption_grace_s > 0, "checkpoint.preemption_grace_s", self.preemption_grace_s,
                "must be > 0 seconds (e.g. 20, under the platform's SIGKILL deadline)")
+        _check(self.every_s >= 0, "checkpoint.every_s", self.every_s,
+               "must be >= 0 seconds (e.g. 300; 0 turns the wall-clock cadence off)")
         _one_of("checkpoint.mode", self.mode, CHECKPOINT_MODES)
         _ints(self, "checkpoint", every=0, keep_last=1)
         _check(self.resume in ("latest", "none") or _digits(self.resume), "checkpoint.resume",

@@ -5,10 +5,12 @@ spot node gives about 25 s), Slurm signals a job before its time limit (``--sign
 torchrun forwards SIGTERM and SIGINT to its workers (and SIGKILLs them 30 s later), and a person presses
 Ctrl-C. :class:`PreemptionWatch` turns any of SIGTERM, SIGINT and SIGUSR1 into a request to stop; the
 signal handler only records it, since collectives or I/O inside a handler can deadlock. At each step
-boundary the ranks agree on whether to stop: a one-element all-reduce (MAX) on a gloo group of the watch's
-own, started at one boundary and read at the next, so it overlaps a step instead of adding a round trip
-to it. All ranks read the same result at the same boundary, so they stop after the same step even when
-the signal reached them at different steps. The Trainer then saves that step and raises :class:`Preempted`.
+boundary the ranks agree on whether to stop, and on whether to save (``checkpoint.every_s``: a wall-clock
+interval that runs out on each rank's own clock): a two-element all-reduce (MAX) on a gloo group of the
+watch's own, started at one boundary and read at the next, so it overlaps a step instead of adding a round
+trip to it. All ranks read the same result at the same boundary, so they stop (or save) after the same
+step even when the signal reached them, or their clocks ran out, at different steps. The Trainer then
+saves that step and raises :class:`Preempted`.
 
 The budget (``checkpoint.preemption_grace_s``) counts from the first signal. When it runs out before the
 save is committed, the process exits with :data:`PREEMPTED_EXIT_CODE` at once: its save never gets a
@@ -24,9 +26,11 @@ import signal
 import sys
 import threading
 import time
+from collections.abc import Callable
 from datetime import timedelta
 from pathlib import Path
 from types import FrameType
+from typing import NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -86,16 +90,25 @@ def clear_record(root: str | Path | Store) -> None:
     as_store(root).remove_file(RECORD_FILE)
 
 
-class PreemptionWatch:
-    """Signal handlers for one run (restored by :meth:`close`) and the ranks' agreement on when to stop."""
+class Agreement(NamedTuple):
+    """What every rank does at a step boundary, the same on all of them."""
 
-    def __init__(self, grace_s: float, world_size: int = 1):
+    stop: bool
+    save: bool
+
+
+class PreemptionWatch:
+    """Signal handlers for one run (restored by :meth:`close`) and the ranks' agreement on when to stop and
+    when to save."""
+
+    def __init__(self, grace_s: float, world_size: int = 1, committed: Callable[[], str] | None = None):
         self.grace_s = grace_s
+        self.committed = committed  # names the newest committed checkpoint, for the out-of-time message
         self.signal_name: str | None = None
         self.deadline: float | None = None
         self._previous: dict[int, object] = {}
         self._timer: threading.Timer | None = None
-        self._group = self._flag = self._work = None
+        self._group = self._flags = self._work = None
         if world_size > 1 and dist.is_initialized():
             # A group of its own: the agreement's collective never interleaves with the training backend's
             # or the checkpointer's (whose commits run collectives from a background thread).
@@ -122,22 +135,30 @@ class PreemptionWatch:
 
     def _out_of_time(self) -> None:
         # Exit without unwinding: a save still being written has no commit marker and is never loaded.
+        latest = self.committed() if self.committed else "the last complete checkpoint"
         print(f"preempted by {self.signal_name}: the step and its checkpoint did not finish within "
-              f"checkpoint.preemption_grace_s={self.grace_s:g}; exiting, the last complete checkpoint stays "
-              "the one a resume loads", flush=True, file=sys.stderr)
+              f"checkpoint.preemption_grace_s={self.grace_s:g}; exiting: {latest} stays the one a resume "
+              "loads", flush=True, file=sys.stderr)
         os._exit(PREEMPTED_EXIT_CODE)
 
-    def stop_requested(self) -> bool:
-        """At a step boundary, on every rank: whether every rank stops here (collective when distributed)."""
+    def agree(self, save_due: bool = False) -> Agreement:
+        """At a step boundary, on every rank: whether every rank stops here (any rank was signalled) and
+        whether every rank saves here (any rank's ``save_due``: its ``checkpoint.every_s`` ran out).
+
+        Distributed, the answer is the one agreed from the flags of the previous boundary (a collective
+        started there, read here, so it overlaps a step); this boundary's flags go into the next one. A
+        rank whose save the agreement already calls for does not propose another.
+        """
         if self._group is None:
-            return self.signal_name is not None
-        agreed = False
+            return Agreement(stop=self.signal_name is not None, save=save_due)
+        agreed = Agreement(stop=False, save=False)
         if self._work is not None:
             self._work.wait()
-            agreed = bool(self._flag.item())
-        if not agreed:
-            self._flag = torch.tensor([int(self.signal_name is not None)], dtype=torch.int32)
-            self._work = dist.all_reduce(self._flag, op=dist.ReduceOp.MAX, group=self._group, async_op=True)
+            agreed = Agreement(stop=bool(self._flags[0]), save=bool(self._flags[1]))
+        if not agreed.stop:
+            self._flags = torch.tensor([int(self.signal_name is not None), int(save_due and not agreed.save)],
+                                       dtype=torch.int32)
+            self._work = dist.all_reduce(self._flags, op=dist.ReduceOp.MAX, group=self._group, async_op=True)
         return agreed
 
     def finish(self) -> None:

@@ -140,7 +140,8 @@ class Trainer:
         self.ctx = ctx = stack.enter_context(distributed(cfg.dist))
         stack.enter_context(logging_setup(cfg.telemetry.level, ctx.rank))
         # Closed among the last: its grace timer bounds the checkpointer's and telemetry's closing too.
-        self.preemption = PreemptionWatch(cfg.checkpoint.preemption_grace_s, ctx.world_size)
+        self.preemption = PreemptionWatch(cfg.checkpoint.preemption_grace_s, ctx.world_size,
+                                          committed=self._committed_checkpoint)
         stack.callback(self.preemption.close)
         self.startup.mark("process group")
         self.output.mkdir(parents=True, exist_ok=True)
@@ -217,6 +218,13 @@ class Trainer:
                 "shape": list(manifest.shape), "classes": manifest.classes, "mean": manifest.mean,
                 "std": manifest.std, "source": manifest.source, "world_size": self.ctx.world_size}
 
+    def _committed_checkpoint(self) -> str:
+        """The newest checkpoint this run knows committed (loaded or saved), for the grace's last word."""
+        step = getattr(self, "checkpointer", None) and self.checkpointer.committed
+        if step is None:
+            return f"no committed checkpoint in {self.checkpoint_root} (a resume starts from the beginning)"
+        return f"the committed checkpoint step {step} in {self.checkpoint_root}"
+
     def _resume(self) -> int | None:
         """Restore the latest (or the requested) checkpoint, if any; returns its step.
 
@@ -260,8 +268,9 @@ class Trainer:
             if cfg.train.eval_every and step % cfg.train.eval_every == 0 and not last:
                 self.telemetry.log_eval(step, validate(self.model, self.val_split, cfg.loader.eval_batch_size,
                                                        self.ctx))
-            saved = self.checkpointer.maybe_save(step, last_step=last)
-            if not last and self.preemption.stop_requested():
+            agreed = self.preemption.agree(save_due=self.checkpointer.interval_elapsed())
+            saved = self.checkpointer.maybe_save(step, last_step=last, interval_due=agreed.save)
+            if not last and agreed.stop:
                 self._stop_preempted(step, saved)
         self.preemption.finish()
         self.checkpointer.wait()

@@ -8,8 +8,7 @@ from collections.abc import Awaitable, Callable
 
 from tasks.slurm.job import job_outcome, node_stderr, task_failures
 from tasks.slurm.states import JobInfo, Outcome
-from tasks.storage import is_uri, local_path
-from traincore.checkpoint.layout import complete_steps
+from tasks.storage import resume_note
 
 TAIL_LINES = 40  # of a failed node's stderr (and of a finished job's stdout) in its message
 ERROR_LINES = 60  # of the first failure's error document (the end of its traceback)
@@ -49,16 +48,6 @@ async def success_message(job: JobInfo, target: str, tail: Tail) -> str:
         stdout = await tail(job.stdout_path, TAIL_LINES)
         lines += [line for line in stdout.splitlines() if line.startswith("train:")]
     return "\n".join(lines)
-
-
-def resume_note(checkpoint_root: str) -> str:
-    """The step a retry resumes from, read from the checkpoint root where this process can see it."""
-    if not checkpoint_root or is_uri(checkpoint_root):
-        return "a retry resumes from the latest complete checkpoint in the checkpoint root"
-    steps = complete_steps(local_path(checkpoint_root))
-    if not steps:
-        return f"no complete checkpoint in {checkpoint_root} yet: a retry starts from the beginning"
-    return f"latest complete checkpoint: step {steps[-1]} in {checkpoint_root}; a retry resumes from it"
 
 
 def _last_lines(text: str, count: int) -> str:

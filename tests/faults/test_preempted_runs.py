@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -143,6 +144,9 @@ def test_a_save_that_outlasts_the_grace_is_abandoned_and_the_last_complete_check
     newer = [p for p in (output / "checkpoints").iterdir() if (parse_step_name(p.name) or 0) > complete[-1]]
     assert all(is_torn(p) for p in newer), newer
     verify_checkpoint(step_dir(output / "checkpoints", complete[-1]))
+    named = re.search(r"exiting: the committed checkpoint step (\d+) in (\S+) stays the one a resume loads",
+                      log)
+    assert named and int(named[1]) in complete and named[2] == str(output / "checkpoints"), log[-3000:]
 
     resumed = run(cli(complete[-1] + 2))
     assert resumed.returncode == 0, resumed.stderr[-3000:]

@@ -1,8 +1,9 @@
 """Restarts of a 2-pod PyTorchJob as a cluster does them, replayed from the registered workflow.
 
-A reference replay (backend=kubernetes, nnodes=2, nproc_per_node=1, max_restarts=2, a durable checkpoint
-root on a directory both pods share, deterministic CPU/gloo training) runs the whole workflow once,
-uninterrupted; its train pods' pod.json files are what the training operator created. Then the train node
+A reference replay (backend=kubernetes, nnodes=2, nproc_per_node=1, max_restarts=1, parallelism=fsdp, dcp
+checkpoints in an object store, a local S3 server, as on a cluster: every rank writes its own shards
+straight into the store; deterministic CPU/gloo training) runs the whole workflow once, uninterrupted; its
+train pods' pod.json files are what the training operator created. Then the train node
 runs again from the same inputs.pb and an emptied checkpoint root, twice, its pods started from those
 pod.json files (replay.retry.start_pod) with only a new rendezvous port, as a new job's Service would have:
 
@@ -23,10 +24,10 @@ and a 2-rank allreduce sums a + b, which IEEE addition gives bitwise whichever o
 from __future__ import annotations
 
 import json
-import shutil
 import signal
 import socket
 import time
+import uuid
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -37,49 +38,64 @@ from replay_helpers import run_replay  # noqa: I001  (a module beside this file)
 from replay import literals
 from replay.retry import kill_pod, start_pod
 from traincore.checkpoint.format import read_checkpoint
-from traincore.checkpoint.layout import complete_steps, step_dir
+from traincore.checkpoint.layout import complete_steps, read_marker, step_store
+from traincore.checkpoint.store import Store
 
 MAX_STEPS, EVERY = 200, 20  # 10-30 s of training on a 2-core machine (busy or not)
 TRAIN_NODE = "n2-0-dn0"
 CONFIG = json.dumps({"model": {"name": "small_cnn", "width": 8}, "loader": {"batch_size": 8},
-                     "telemetry": {"log_every": 10, "tensorboard": False}, "checkpoint": {"every": EVERY}})
-INPUTS = ("backend=kubernetes", "nnodes=2", "nproc_per_node=1", "max_restarts=2", f"max_steps={MAX_STEPS}",
-          f"config_overrides={CONFIG}")
+                     "telemetry": {"log_every": 10, "tensorboard": False},
+                     "checkpoint": {"every": EVERY, "mode": "dcp"}})
+INPUTS = ("backend=kubernetes", "nnodes=2", "nproc_per_node=1", "max_restarts=1", "parallelism=fsdp",
+          f"max_steps={MAX_STEPS}", f"config_overrides={CONFIG}")
 TIMEOUT_S = 300
 DEFAULT_GRACE_S = 30  # Kubernetes' default termination grace: SIGKILL after it
 
 
-def final_weights(root: Path) -> dict[str, bytes]:
-    """The model tensors of the run's last checkpoint, as raw bytes (bitwise comparison)."""
-    weights, info = read_checkpoint(step_dir(root, MAX_STEPS))
+def final_weights(root: Store) -> dict[str, bytes]:
+    """The model tensors of the run's last checkpoint, read from the store, as raw bytes (bitwise)."""
+    weights, info = read_checkpoint(step_store(root, MAX_STEPS))
     assert info["step"] == MAX_STEPS
     return {name: tensor.contiguous().numpy().tobytes() for name, tensor in weights.items()}
 
 
+def assert_shards_per_rank(root: Store) -> None:
+    """Every committed step holds one data file per rank, written by that rank, and DCP's index."""
+    for step in complete_steps(root):
+        files = read_marker(step_store(root, step))["files"]
+        shards = {name: entry["rank"] for name, entry in files.items() if name.endswith(".distcp")}
+        assert shards == {"__0_0.distcp": 0, "__1_0.distcp": 1} and ".metadata" in files, (step, files)
+
+
 @pytest.fixture(scope="module")
-def job(non_fast_package, tmp_path_factory):
-    """The uninterrupted reference replay: its pods, store, checkpoint root and final weights."""
+def job(non_fast_package, tmp_path_factory, s3_server):
+    """The uninterrupted reference replay: its pods, store, checkpoint root and final weights. The store's
+    settings are in this process's environment for the module, as a platform injects them into every pod
+    (the pods started here from pod.json read them from there)."""
     base = tmp_path_factory.mktemp("pod-restarts")
-    workdir, root = base / "run", base / "shared-checkpoints"
-    code, output, summary = run_replay(non_fast_package, workdir, *INPUTS, f"checkpoint_uri={root}")
-    assert code == 0, output[-6000:]
-    train = summary["node_outputs"][TRAIN_NODE]["o0"]["summary"]
-    assert (train["steps"], train["world_size"], train["resumed_from"]) == (MAX_STEPS, 2, None)
-    pods = sorted(workdir.glob(f"pods/{summary['execution']}-{TRAIN_NODE}-0-worker-*"))
-    assert len(pods) == 2
-    reference = final_weights(root)
-    shutil.move(root, base / "reference-checkpoints")
-    output_dir = Path(summary["workdir"]) / "store" / "metadata" / "propeller"
-    (outputs_pb,) = output_dir.glob(f"*/{TRAIN_NODE}/data/0/outputs.pb")
-    return SimpleNamespace(package=non_fast_package, workdir=workdir, root=root, pods=pods, summary=summary,
-                           reference=reference, outputs_pb=outputs_pb, base=base)
+    workdir = base / "run"
+    root = Store(f"s3://{s3_server.bucket}/pod-restarts-{uuid.uuid4().hex[:8]}", s3_server.storage_options)
+    with pytest.MonkeyPatch.context() as patch:
+        for name, value in s3_server.env.items():
+            patch.setenv(name, value)
+        code, output, summary = run_replay(non_fast_package, workdir, *INPUTS, f"checkpoint_uri={root}")
+        assert code == 0, output[-6000:]
+        train = summary["node_outputs"][TRAIN_NODE]["o0"]["summary"]
+        assert (train["steps"], train["world_size"], train["resumed_from"]) == (MAX_STEPS, 2, None)
+        pods = sorted(workdir.glob(f"pods/{summary['execution']}-{TRAIN_NODE}-0-worker-*"))
+        assert len(pods) == 2
+        assert_shards_per_rank(root)
+        reference = final_weights(root)
+        output_dir = Path(summary["workdir"]) / "store" / "metadata" / "propeller"
+        (outputs_pb,) = output_dir.glob(f"*/{TRAIN_NODE}/data/0/outputs.pb")
+        yield SimpleNamespace(package=non_fast_package, workdir=workdir, root=root, pods=pods,
+                              summary=summary, reference=reference, outputs_pb=outputs_pb, base=base)
 
 
-def fresh_run(job, name: str) -> dict[str, str]:
-    """Empty the durable root and the node's outputs (keeping the last run's under ``name``), and give the
-    job a new rendezvous port: the env overrides for its pods."""
-    if job.root.exists():
-        shutil.move(job.root, job.base / f"{name}-previous-checkpoints")
+def fresh_run(job) -> dict[str, str]:
+    """Empty the durable root and the node's outputs, and give the job a new rendezvous port: the env
+    overrides for its pods."""
+    job.root.remove_tree()
     job.outputs_pb.unlink(missing_ok=True)
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
@@ -145,7 +161,7 @@ def test_operator_restart_of_a_killed_pod_resumes_bitwise(job):
     """
     for pod in job.pods:  # from the template, through the PyTorchJob manifest, into each pod
         assert json.loads((pod / "pod.json").read_text())["env"]["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] == "1"
-    env, log = fresh_run(job, "operator"), "log-operator.txt"
+    env, log = fresh_run(job), "log-operator.txt"
     processes = start_job(job, env, log)
     try:
         checkpoint = first_checkpoint(job, processes)
@@ -162,6 +178,7 @@ def test_operator_restart_of_a_killed_pod_resumes_bitwise(job):
     assert summary["resumed_from"] is not None and summary["resumed_from"] >= checkpoint, summary
     assert f"resumed from step {summary['resumed_from']}" in logs
     assert complete_steps(job.root)[-1] == MAX_STEPS
+    assert_shards_per_rank(job.root)
     assert final_weights(job.root) == job.reference, "final weights differ from the uninterrupted run's"
 
 
@@ -170,7 +187,7 @@ def test_evicted_pods_save_their_step_and_the_flyte_retry_resumes_from_it_bitwis
     """Both pods evicted (SIGTERM to each pod's first process, as the kubelet sends it, e.g. on a spot
     reclaim): the workers agree on a step, save it, and the attempt fails as RECOVERABLE naming it; Flyte's
     retry (attempt 1, a new job with new pods) resumes from exactly that step."""
-    env = fresh_run(job, "retry")
+    env = fresh_run(job)
     processes = start_job(job, env, "log-attempt-0.txt")
     try:
         first_checkpoint(job, processes)

@@ -1,57 +1,61 @@
 """The replayed workflow on a real S3 API (a local moto server): store, raw data and checkpoints on s3://.
 
-The fast registration's code tarball, every node's inputs/outputs, the staged dataset, the checkpoints
-(published by the train pod's mirror, tasks/mirror.py over traincore/checkpoint/mirror.py), the exported
-model and the evaluation all go through s3:// URIs on the server; the pods reach it only through the
-FLYTE_AWS_* settings a platform injects. Then Flyte's retry of the train node (attempt 1, same inputs.pb,
-a fresh pod whose node-local cache is empty) must restore from the s3 checkpoint root and resume.
+A 2-pod PyTorchJob (backend=kubernetes, nnodes=2, parallelism=fsdp, async checkpoints, max_restarts=1):
+the fast registration's code tarball, every node's inputs/outputs, the staged dataset, the checkpoints
+(every rank writes its own shards straight into the store; rank 0 commits each step with its marker), the
+exported model and the evaluation all go through s3:// URIs on the server; the pods reach it only through
+the FLYTE_AWS_* settings a platform injects. Then the same checkpoint root resumes twice from a step
+before the end: in Flyte's retry of the train node (attempt 1, new pods, same inputs.pb), and in a new
+execution on one pod of two processes; both end with bitwise the weights of the uninterrupted run (the
+same world size, deterministic CPU training).
 """
 
 from __future__ import annotations
 
 import json
-from pathlib import Path
+import uuid
 
 import pytest
 from replay_helpers import run_replay  # noqa: I001  (a module beside this file)
 
 from traincore.checkpoint.format import read_checkpoint
-from traincore.checkpoint.layout import MARKER
+from traincore.checkpoint.layout import complete_steps, read_marker, remove_step, step_store
+from traincore.checkpoint.store import Store
 
 MAX_STEPS, EVERY = 60, 20
 TRAIN_NODE = "n2-0-dn0"  # the train task inside the @dynamic train_on_backend node
-CONFIG = json.dumps({"checkpoint": {"every": EVERY}, "telemetry": {"tensorboard": False}})
+CONFIG = json.dumps({"checkpoint": {"every": EVERY, "mode": "async"}, "telemetry": {"tensorboard": False}})
+TWO_PODS = ("backend=kubernetes", "nnodes=2", "nproc_per_node=1", "max_restarts=1", "parallelism=fsdp")
 
 
-def checkpoint_steps(s3, prefix: str) -> list[int]:
-    """Complete checkpoints (commit marker present) under ``prefix`` in the bucket."""
-    return sorted(int(key.split("/")[-2].removeprefix("step-")) for key in s3.keys(prefix)
-                  if key.endswith(f"/{MARKER}"))
-
-
-def download_weights(s3, prefix: str, step: int, into: Path) -> dict[str, bytes]:
-    """The model tensors of checkpoint ``step``, fetched from the bucket, as raw bytes."""
-    client, directory = s3.client(), f"{prefix}/step-{step:06d}/"
-    for key in s3.keys(directory):
-        target = into / key.removeprefix(directory)
-        target.parent.mkdir(parents=True, exist_ok=True)
-        client.download_file(s3.bucket, key, str(target))
-    weights, info = read_checkpoint(into)
+def weights(root: Store, step: int) -> dict[str, bytes]:
+    """The model tensors of checkpoint ``step``, read straight from the bucket, as raw bytes."""
+    tensors, info = read_checkpoint(step_store(root, step))
     assert info["step"] == step
-    return {name: tensor.contiguous().numpy().tobytes() for name, tensor in weights.items()}
+    return {name: tensor.contiguous().numpy().tobytes() for name, tensor in tensors.items()}
+
+
+def drop_last_step(root: Store) -> int:
+    """The last attempt "died" before its last checkpoint: remove it (marker first, as a prune does); the
+    step a resume now starts from."""
+    remove_step(step_store(root, complete_steps(root)[-1]))
+    return complete_steps(root)[-1]
 
 
 @pytest.mark.slow
-def test_workflow_on_s3_and_train_retry_resumes_from_the_s3_checkpoint_root(fast_package, s3_server,
-                                                                              tmp_path):
-    s3, store, ckpt = s3_server, f"s3://{s3_server.bucket}/store", "checkpoints/run-1"
+def test_two_pods_checkpoint_into_s3_and_the_root_resumes_bitwise_on_two_pods_and_on_one(fast_package,
+                                                                                        s3_server, tmp_path):
+    s3, store = s3_server, f"s3://{s3_server.bucket}/store"
+    ckpt = f"checkpoints/run-{uuid.uuid4().hex[:8]}"
+    root = Store(f"s3://{s3.bucket}/{ckpt}", s3.storage_options)
     workdir = tmp_path / "run"
     code, output, summary = run_replay(
-        fast_package, workdir, f"max_steps={MAX_STEPS}", "nproc_per_node=1", f"config_overrides={CONFIG}",
-        f"checkpoint_uri=s3://{s3.bucket}/{ckpt}", options=("--store", store), env=s3.env)
+        fast_package, workdir, *TWO_PODS, f"max_steps={MAX_STEPS}", f"config_overrides={CONFIG}",
+        f"checkpoint_uri={root}", options=("--store", store), env=s3.env)
     assert code == 0, output[-6000:]
     train = summary["node_outputs"][TRAIN_NODE]["o0"]
     assert (train["summary"]["steps"], train["summary"]["resumed_from"]) == (MAX_STEPS, None)
+    assert train["summary"]["world_size"] == 2
     # Every artifact lives in the bucket and the outputs point there, not to a pod's disk.
     keys = s3.keys("store/")
     assert any(k.startswith("store/fast/replay/fast") and k.endswith(".tar.gz") for k in keys)
@@ -59,41 +63,48 @@ def test_workflow_on_s3_and_train_retry_resumes_from_the_s3_checkpoint_root(fast
         assert any(k.endswith(f"/{node}/data/0/outputs.pb") for k in keys), node
     assert any(k.startswith("store/raw/") and k.endswith("/manifest.json") for k in keys)  # staged data
     assert any(k.startswith("store/raw/") and k.endswith("/model.safetensors") for k in keys)  # export
-    # The exported model's directory is in the bucket (its export record keeps the exporting pod's paths).
     assert summary["outputs"]["model"]["directory"]["path"].startswith(f"s3://{s3.bucket}/store/raw/")
-    assert train["checkpoints"]["path"].startswith(f"s3://{s3.bucket}/{ckpt}")
+    assert train["checkpoints"]["path"].startswith(root.uri)
     assert summary["outputs"]["report"]["result"]["accuracy"] > 0.3
-    steps = checkpoint_steps(s3, ckpt)
+    steps = complete_steps(root)
     assert steps[-1] == MAX_STEPS and set(steps) <= set(range(EVERY, MAX_STEPS + 1, EVERY)), steps
-    final = download_weights(s3, ckpt, MAX_STEPS, tmp_path / "attempt-0")
+    for step in steps:  # one shard file per rank, written by that rank, and a marker listing them
+        files = read_marker(step_store(root, step))["files"]
+        shards = {name: entry["rank"] for name, entry in files.items() if name.endswith(".distcp")}
+        assert shards == {"__0_0.distcp": 0, "__1_0.distcp": 1}, files
+        assert read_marker(step_store(root, step))["mode"] == "async"
+    final = weights(root, MAX_STEPS)
 
-    # Attempt 0 "died" before its last checkpoint: drop it from the bucket (marker first, as a prune does).
-    client = s3.client()
-    client.delete_object(Bucket=s3.bucket, Key=f"{ckpt}/step-{MAX_STEPS:06d}/{MARKER}")
-    for key in s3.keys(f"{ckpt}/step-{MAX_STEPS:06d}/"):
-        client.delete_object(Bucket=s3.bucket, Key=key)
-    latest = checkpoint_steps(s3, ckpt)[-1]
-    assert latest == MAX_STEPS - EVERY
-
+    # Flyte's retry of the train node: attempt 1, new pods, the same root.
+    latest = drop_last_step(root)
     code, output, retry = run_replay(
         fast_package, workdir, module="replay.retry", env=s3.env,
         options=("--store", store, "--execution", summary["execution"], "--node", TRAIN_NODE))
     assert code == 0, output[-6000:]
     result = retry["outputs"]["o0"]["summary"]
-    assert (result["resumed_from"], result["steps"]) == (latest, MAX_STEPS)
-    assert checkpoint_steps(s3, ckpt)[-1] == MAX_STEPS  # republished by attempt 1's mirror
+    assert (result["resumed_from"], result["steps"], result["world_size"]) == (latest, MAX_STEPS, 2)
     assert any(k.endswith(f"/{TRAIN_NODE}/data/1/outputs.pb") for k in s3.keys("store/"))
-    (pod,) = workdir.glob(f"pods/{summary['execution']}-{TRAIN_NODE}-1")
+    (pod,) = workdir.glob(f"pods/{summary['execution']}-{TRAIN_NODE}-1-worker-0")
     started = json.loads((pod / "pod.json").read_text())
     assert started["env"]["FLYTE_ATTEMPT_NUMBER"] == "1"
-    previous = started["args"][started["args"].index("--prev-checkpoint") + 1]
-    assert previous.startswith(f"{store}/raw/") and previous.endswith(f"-{TRAIN_NODE}-0/_flytecheckpoints")
-    log = (pod / "log.txt").read_text(errors="replace")
-    assert f"restored checkpoint step {latest}" in log or f"resumed from step {latest}" in log, log[-3000:]
-    # Deterministic training: the resumed attempt ends with bitwise the weights attempt 0 had.
-    assert download_weights(s3, ckpt, MAX_STEPS, tmp_path / "attempt-1") == final
-    # The pods got the store's credentials from the environment only: no file the replay left holds them.
+    assert f"resumed from step {latest}" in (pod / "log.txt").read_text(errors="replace")
+    assert weights(root, MAX_STEPS) == final
+
+    # A new execution on one pod of two processes resumes from the same root.
+    latest = drop_last_step(root)
+    code, output, again = run_replay(
+        fast_package, tmp_path / "one-pod", "nnodes=1", "nproc_per_node=2", "parallelism=fsdp",
+        f"max_steps={MAX_STEPS}", f"config_overrides={CONFIG}", f"checkpoint_uri={root}",
+        options=("--store", f"{store}-one-pod"), env=s3.env)
+    assert code == 0, output[-6000:]
+    result = again["node_outputs"][TRAIN_NODE]["o0"]["summary"]
+    assert (result["resumed_from"], result["steps"], result["world_size"]) == (latest, MAX_STEPS, 2)
+    assert weights(root, MAX_STEPS) == final
+    # The pods got the store's credentials from the environment only: no file the replays left holds them.
     secret = s3.env["FLYTE_AWS_SECRET_ACCESS_KEY"]
-    holding = [path for path in workdir.rglob("*") if path.is_file() and secret.encode() in path.read_bytes()]
+    holding = [path for path in tmp_path.rglob("*")
+               if path.is_file() and secret.encode() in path.read_bytes()]
     assert not holding, holding
     assert "FLYTE_AWS_SECRET_ACCESS_KEY" in started["platform_env"]
+    assert not [key for key in s3.keys(ckpt) if secret.encode() in s3.client().get_object(
+        Bucket=s3.bucket, Key=key)["Body"].read()]

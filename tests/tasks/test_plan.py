@@ -10,7 +10,6 @@ import torch
 from tasks.plan import (
     LaunchInputError,
     check_backend,
-    check_checkpoint_root,
     check_checkpoint_uri,
     check_source,
     check_topology,
@@ -85,16 +84,14 @@ def test_good_topology_passes(changes, local_run):
     check_topology(Topology(**changes), local_run=local_run)
 
 
-def test_multi_node_object_store_checkpoints_need_sync_mode_and_no_elastic_restarts():
-    multi = Topology(backend="kubernetes", nnodes=2)
-    dcp = preset("digits").with_overrides({"checkpoint.mode": "dcp"})
-    with pytest.raises(LaunchInputError, match=r"checkpoint.mode='dcp' with nnodes=2"):
-        check_checkpoint_root(dcp, multi, checkpoint_uri="s3://bucket/run")
-    check_checkpoint_root(dcp, multi, checkpoint_uri="/mnt/shared/run")  # a shared filesystem: any mode
-    restarts = Topology(backend="kubernetes", nnodes=2, max_restarts=2)
-    with pytest.raises(LaunchInputError, match=r"input max_restarts=2"):
-        check_checkpoint_root(preset("digits"), restarts, checkpoint_uri="")
-    check_checkpoint_root(dcp, Topology(), checkpoint_uri="")  # one node: node-local parts are all there
+@pytest.mark.parametrize("mode", ["sync", "dcp", "async"])
+def test_several_nodes_checkpoint_into_an_object_store_in_every_mode_with_restarts(mode):
+    """Every rank writes its own part straight into the store, so no mode or restart count is refused."""
+    plan = plan_run(**{**PLAN_DEFAULTS, "backend": "slurm", "nnodes": 2, "nproc_per_node": 1,
+                       "max_restarts": 1, "slurm_target": "login.example", "parallelism": "fsdp",
+                       "checkpoint_uri": "s3://bucket/run",
+                       "config_overrides": f'{{"checkpoint": {{"mode": "{mode}"}}}}'})
+    assert (plan.config.checkpoint.mode, plan.topology.nnodes, plan.topology.max_restarts) == (mode, 2, 1)
 
 
 def test_plan_task_runs_locally_and_rejects_multi_node():

@@ -282,7 +282,8 @@ def test_a_signal_before_the_workers_trained_a_step_ends_the_attempt_recoverable
     IgnoreOutputs that a normal non-rank-0 pod ends with and that would leave the task without outputs."""
     assert train_module.agent_signal(signalled_agent_error(signal.SIGTERM)) == "SIGTERM"
     assert train_module.agent_signal(IgnoreOutputs()) is None
-    with pytest.raises(FlyteRecoverableException, match="stopped by SIGTERM while starting, before a step"):
+    with pytest.raises(FlyteRecoverableException, match="stopped by SIGTERM before this attempt committed a "
+                       r"checkpoint .*; no complete checkpoint in /checkpoints yet: a retry starts from"):
         train_module.stop_preempted("SIGTERM", "/checkpoints")
     ctx = FlyteContextManager.current_context()
     mode = ExecutionState.Mode.LOCAL_TASK_EXECUTION
@@ -291,5 +292,6 @@ def test_a_signal_before_the_workers_trained_a_step_ends_the_attempt_recoverable
         train_module.stop_preempted("SIGINT", "/checkpoints")
     assert stopped.value.code == 75
     assert capsys.readouterr().err.splitlines() == [
-        "stopped by SIGINT while starting, before a step of this attempt was trained: nothing new to save",
+        "stopped by SIGINT before this attempt committed a checkpoint of the step it reached (it was "
+        "starting, or its save outlasted checkpoint.preemption_grace_s)",
         "to resume, run the same pyflyte command with --checkpoint_uri /checkpoints"]

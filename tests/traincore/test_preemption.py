@@ -42,10 +42,10 @@ def test_a_signal_becomes_a_stop_and_closing_restores_the_handlers_and_stops_the
     before = {signum: signal.getsignal(signum) for signum in PREEMPTION_SIGNALS}
     watch = PreemptionWatch(grace_s=1.0)
     try:
-        assert not watch.stop_requested()
+        assert watch.agree() == (False, False) and watch.agree(save_due=True) == (False, True)
         os.kill(os.getpid(), signal.SIGUSR1)
         os.kill(os.getpid(), signal.SIGTERM)  # a second signal changes nothing
-        assert watch.stop_requested() and watch.signal_name == "SIGUSR1"
+        assert watch.agree().stop and watch.signal_name == "SIGUSR1"
     finally:
         watch.close()
     assert {signum: signal.getsignal(signum) for signum in PREEMPTION_SIGNALS} == before
@@ -61,7 +61,7 @@ def _stop_step(rank: int, out_dir: Path) -> dict:
             for step in range(1, 21):
                 if rank == 1 and step == 3:
                     os.kill(os.getpid(), signal.SIGTERM)
-                if watch.stop_requested():
+                if watch.agree().stop:
                     return {"stopped_after": step, "signal": watch.signal_name}
             watch.finish()
             return {"stopped_after": None, "signal": watch.signal_name}
@@ -75,3 +75,27 @@ def test_ranks_signalled_at_different_steps_stop_after_the_same_one(tmp_path):
     # Rank 1's flag goes into the agreement started after step 3, which every rank reads after step 4.
     assert [record["stopped_after"] for record in records] == [4, 4]
     assert [record["signal"] for record in records] == [None, "SIGTERM"]
+
+
+def _save_steps(rank: int, out_dir: Path) -> dict:
+    """Steps 1..10; each rank's interval runs out at a step of its own (rank 0 after step 6, rank 1 after
+    step 3, and says so until it saved). The steps at which each rank saves."""
+    with distributed(CFG):
+        watch = PreemptionWatch(grace_s=30.0, world_size=2)
+        saved, due_from = [], 6 if rank == 0 else 3
+        try:
+            for step in range(1, 11):
+                due = step >= due_from and not saved
+                if watch.agree(save_due=due).save:
+                    saved.append(step)
+            watch.finish()
+            return {"saved": saved}
+        finally:
+            watch.close()
+
+
+@pytest.mark.usefixtures("two_rank_env")
+def test_ranks_whose_intervals_run_out_at_different_steps_save_together_once(tmp_path):
+    records = run_ranks(_save_steps, tmp_path)
+    # Rank 1's interval ran out at step 3: every rank saves after step 4, and nobody proposes it again.
+    assert [record["saved"] for record in records] == [[4], [4]]

@@ -111,6 +111,8 @@ class Checkpointer:
         self.root, self.cfg, self.registry = as_store(root), cfg, registry
         self.rank, self.world_size = rank, world_size
         self.last_save: SaveStats | None = None
+        self.committed: int | None = None  # the newest step this run loaded or committed
+        self._interval_start = time.monotonic()  # checkpoint.every_s counts from here
         self._group = self._new_group()
         self._pending: Future | None = None  # the commit of the save in flight
         self._snapshot: Future | None = None  # its copy of the state, while it may be in progress
@@ -157,18 +159,25 @@ class Checkpointer:
         dist.gather_object(obj, out, dst=0, group=self._group)
         return out
 
-    def maybe_save(self, step: int, last_step: bool) -> bool:
-        """Save at every ``cfg.every``-th step and at the last one (the one place this rule lives); True when
-        a save of ``step`` began."""
-        due = bool(self.cfg.every and step % self.cfg.every == 0) or last_step
+    def maybe_save(self, step: int, last_step: bool, interval_due: bool = False) -> bool:
+        """Save at every ``cfg.every``-th step, at the last one, and when the ranks agreed that
+        ``cfg.every_s`` ran out (``interval_due``; see :meth:`interval_elapsed`): the one place this rule
+        lives. True when a save of ``step`` began."""
+        due = bool(self.cfg.every and step % self.cfg.every == 0) or last_step or interval_due
         if due:
             self.save(step)
         return due
+
+    def interval_elapsed(self) -> bool:
+        """Whether ``cfg.every_s`` seconds passed on this rank's clock since its last save began (or since
+        the run started); the ranks agree on it before any of them saves (PreemptionWatch.agree)."""
+        return bool(self.cfg.every_s) and time.monotonic() - self._interval_start >= self.cfg.every_s
 
     def save(self, step: int) -> None:
         """Write ``<root>/step-{step:06d}/``; returns once training may go on (async: once the copy of the
         state has started; see :meth:`wait_for_snapshot`)."""
         start = time.perf_counter()
+        self._interval_start = time.monotonic()
         self.wait()
         directory = step_store(self.root, step)
         # sync: the naive way, the whole state gathered onto rank 0, which writes it alone
@@ -253,6 +262,7 @@ class Checkpointer:
                 num_bytes = write_marker(directory, step, self.cfg.mode, self.world_size, every_rank)
             prune(self.root, self.cfg.keep_last)
         self.last_save = SaveStats(step, self.cfg.mode, blocking, time.perf_counter() - start, num_bytes)
+        self.committed = step
         if self.rank == 0:
             log.info("checkpoint step=%d committed: %.3f GB in %.2fs", step, num_bytes / 1e9,
                      self.last_save.total_s)
@@ -323,6 +333,7 @@ class Checkpointer:
                 raise
             raise CheckpointError(f"checkpoint {directory} does not fit this run: {exc}") from exc
         log.info("resumed from %s (step %d, mode %s)", directory, saved.step, marker["mode"])
+        self.committed = chosen
         return saved.step
 
     def _check_shapes(self, directory: Store, saved: dict[str, list], current: dict[str, list],

@@ -142,7 +142,8 @@ class ObjectStoreWriter(StorageWriter):
                 length = stream.tell() - offset
                 results.append(WriteResult(index=item.index, size_in_bytes=length,
                                            storage_data=_StorageInfo(name, offset, length)))
-        self.checksums[name] = stream.checksum()
+        # "rank": the writer, which the marker keeps: each data file is shown written by its own rank.
+        self.checksums[name] = {**stream.checksum(), "rank": self.writer_rank}
         future: Future = Future()
         future.set_result(results)
         return future
@@ -153,7 +154,8 @@ class ObjectStoreWriter(StorageWriter):
         metadata.storage_data = {result.index: result.storage_data for part in results for result in part}
         metadata.storage_meta = self.storage_meta()
         with writing(self.store.uri_of(METADATA)):
-            self.checksums[METADATA] = self.store.write_bytes(METADATA, pickle.dumps(metadata))
+            self.checksums[METADATA] = {**self.store.write_bytes(METADATA, pickle.dumps(metadata)),
+                                        "rank": self.writer_rank}
 
     def storage_meta(self) -> StorageMeta:
         return StorageMeta(checkpoint_id=self.store.uri, save_id=self.save_id)

@@ -45,8 +45,13 @@ def marker_matches_store(s3, root: Store, step: int) -> dict:
     found = {key.removeprefix(f"{name}/"): data for key, data in objects(s3, root).items()
              if key.startswith(f"{name}/") and key != f"{name}/{MARKER}"}
     marker = read_marker(step_store(root, step))
-    assert marker["files"] == {key: {"bytes": len(data), "crc32": f"{zlib.crc32(data):08x}"}
-                               for key, data in found.items()}
+    listed = {name: {"bytes": entry["bytes"], "crc32": entry["crc32"]}
+              for name, entry in marker["files"].items()}
+    assert listed == {key: {"bytes": len(data), "crc32": f"{zlib.crc32(data):08x}"}
+                      for key, data in found.items()}
+    for name, entry in marker["files"].items():  # each DCP file was written, and checksummed, by its rank
+        if name.endswith(".distcp"):
+            assert entry["rank"] == int(name.split("_")[2]), (name, entry)
     return marker
 
 
