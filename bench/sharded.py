@@ -351,23 +351,22 @@ def steps_phase(rank: int, opts: dict) -> dict:
             "peak_rss": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}  # KiB on Linux
 
 
-PHASES = {"checkpoint": checkpoint_phase, "steps": steps_phase}
-
-
-def _rank(rank: int, phase: str, opts: dict, rendezvous: str, out: str) -> None:
+def _rank(rank: int, phase: Callable[[int, dict], dict], opts: dict, rendezvous: str, out: str) -> None:
     torch.set_num_threads(1)  # two ranks on two cores
     dist.init_process_group("gloo", init_method=f"file://{rendezvous}", rank=rank, world_size=WORLD,
                             timeout=timedelta(minutes=10))
     try:
-        result = PHASES[phase](rank, opts)
+        result = phase(rank, opts)
     finally:
         dist.destroy_process_group()
-    Path(out, f"{phase}-{rank}.json").write_text(json.dumps(result))
+    Path(out, f"{phase.__name__}-{rank}.json").write_text(json.dumps(result))
 
 
-def run_ranks(phase: str, opts: dict, scratch: Path, timeout: float) -> list[dict]:
-    """Run ``phase`` on WORLD spawned gloo processes; every rank's result, in rank order."""
-    rendezvous = scratch / f"rendezvous-{phase}-{time.monotonic_ns()}"
+def run_ranks(phase: Callable[[int, dict], dict], opts: dict, scratch: Path, timeout: float) -> list[dict]:
+    """Run ``phase(rank, opts)`` (a module-level function) on WORLD spawned gloo processes; every rank's
+    result, in rank order."""
+    name = phase.__name__
+    rendezvous = scratch / f"rendezvous-{name}-{time.monotonic_ns()}"
     context = mp.start_processes(_rank, args=(phase, opts, str(rendezvous), str(scratch)), nprocs=WORLD,
                                  join=False, start_method="spawn")
     deadline = time.monotonic() + timeout
@@ -375,9 +374,9 @@ def run_ranks(phase: str, opts: dict, scratch: Path, timeout: float) -> list[dic
         if time.monotonic() > deadline:
             for process in context.processes:
                 process.kill()
-            raise SystemExit(f"{WORLD} ranks of the {phase} phase did not finish within {timeout:.0f} s: "
+            raise SystemExit(f"{WORLD} ranks of {name} did not finish within {timeout:.0f} s: "
                              "raise --timeout, or look for a hung collective")
-    return [json.loads((scratch / f"{phase}-{rank}.json").read_text()) for rank in range(WORLD)]
+    return [json.loads((scratch / f"{name}-{rank}.json").read_text()) for rank in range(WORLD)]
 
 
 def dd_rate(directory: Path, num_bytes: int, direct: bool) -> float:
@@ -486,13 +485,13 @@ def measure(opts: dict, scratch: Path, timeout: float) -> dict:
           f"dir {scratch}", flush=True)
     start = time.perf_counter()
     disk = [disk_rates(scratch, nbytes)]
-    ckpt = run_ranks("checkpoint", {**opts, "dir": str(scratch)}, scratch, timeout)
+    ckpt = run_ranks(checkpoint_phase, {**opts, "dir": str(scratch)}, scratch, timeout)
     disk.append(disk_rates(scratch, nbytes))
     print(f"checkpoint phase and disk: {time.perf_counter() - start:.0f} s", flush=True)
     steps = {}
     for name in ("ddp", "fsdp"):
         start = time.perf_counter()
-        steps[name] = run_ranks("steps", {**opts, "parallelism": name}, scratch, timeout)
+        steps[name] = run_ranks(steps_phase, {**opts, "parallelism": name}, scratch, timeout)
         print(f"{name} steps: {time.perf_counter() - start:.0f} s", flush=True)
     saves, step_table = checkpoint_rows(ckpt), step_rows(steps)
     ratios = ratios_of(saves, step_table, ckpt)

@@ -28,6 +28,7 @@ def evaluate_model(model: ModelArtifact, dataset: StagedDataset, trained: TrainR
     metrics_file = local_directory(trained.logs) / "metrics.jsonl"
     metrics = read_metrics(metrics_file) if metrics_file.is_file() else []
     lineage = with_test(model.export.lineage, result.accuracy, result.count)
-    flytekit.Deck("Evaluation", evaluation_deck_html(result, metrics, asdict(lineage)))
+    deck = evaluation_deck_html(result, metrics, asdict(lineage), trained.summary.records)
+    flytekit.Deck("Evaluation", deck)
     print(f"evaluate_model: {format_result(result)}", flush=True)
     return EvalReport(result=result, lineage=lineage)

@@ -174,10 +174,18 @@ def figure_html(title: str, png: bytes) -> str:
     return f'<h3>{title}</h3>\n<img class="deck-figure" alt="{title}" src="data:image/png;base64,{data}"/>'
 
 
-def evaluation_deck_html(result: EvalResult, metrics: list[dict], lineage: dict | None) -> str:
-    """The evaluation Deck: the accuracy line, training and validation curves (with the validation points
-    as a table), the confusion matrix, per-class precision/recall and, when given, the model's lineage."""
+def evaluation_deck_html(result: EvalResult, metrics: list[dict], lineage: dict | None,
+                         records: str = "") -> str:
+    """The evaluation Deck: the accuracy line, where the training records are (``records``: the training
+    attempt's records in the durable root, if kept there), training and validation curves (with the
+    validation points as a table), the confusion matrix, per-class precision/recall and, when given, the
+    model's lineage."""
     parts = [STYLE, f"<p><b>{html.escape(format_result(result))}</b></p>"]
+    if records:
+        every = records.rsplit("/", 1)[0]
+        parts.append('<p id="records">Training records (metrics.jsonl, TensorBoard events, workers\' '
+                     f"stderr) of this attempt: <code>{html.escape(records)}</code>; of every attempt: "
+                     f"<code>tensorboard --logdir {html.escape(every)}</code></p>")
     curves = curves_png(metrics)
     if curves is None:
         parts.append("<p>No training records (metrics.jsonl): no training curves to draw.</p>")

@@ -42,10 +42,14 @@ from traincore.config import Config
 from traincore.launch import settle_worker, worker_threads
 from traincore.preemption import PREEMPTED_EXIT_CODE, Preempted, read_record
 from traincore.preflight import preflight
+from traincore.telemetry.records import RecordsSync, attempt_records, next_attempt
 from traincore.telemetry.startup import process_start_time
 from traincore.telemetry.summary import format_summary
 from traincore.train import Trainer
 
+RECORDS_ATTEMPT_ENV = "TRAIN_RECORDS_ATTEMPT"
+"""Set by the train task for its workers: the attempt number their records go under, so that the workers'
+records and this node's stderr tails (tasks copies them) land in one ``records/attempt-<N>/``."""
 WANDB_SECRET = Secret(group="wandb", key="api_key", mount_requirement=Secret.MountType.FILE)
 CPU_PER_PROCESS, MEM_GIB_PER_PROCESS = 2, 6
 TRAIN_RETRIES = 3  # recoverable faults only (rendezvous timeouts, lost peers); user errors fail at once
@@ -59,17 +63,29 @@ def train_model(config: Config, dataset: StagedDataset, checkpoint_root: str) ->
     try:
         with captured_stderr(int(os.environ.get("RANK", "0"))):
             summary = Trainer(config, local_directory(dataset.directory), output,
-                              checkpoint_store(checkpoint_root), started_at=process_start_time()).train()
+                              checkpoint_store(checkpoint_root), started_at=process_start_time(),
+                              attempt=records_attempt()).train()
     except dist.DistError as exc:  # a peer vanished or the store timed out: infrastructure, worth a retry
         raise FlyteRecoverableException(f"distributed training failed transiently: {exc}") from exc
     except Preempted as exc:  # the step reached is saved: a retry resumes from it, losing nothing
         raise FlyteRecoverableException(str(exc)) from exc
     if int(os.environ.get("RANK", "0")) == 0:
-        print(f"train: {format_summary(summary)}; TensorBoard: tensorboard --logdir "
-              f"{Path(summary.output_dir) / 'tensorboard'}", flush=True)
+        logdir = (summary.records.rsplit("/", 1)[0] if summary.records
+                  else Path(summary.output_dir) / "tensorboard")
+        print(f"train: {format_summary(summary)}; TensorBoard: tensorboard --logdir {logdir}", flush=True)
     checkpoints = checkpoint_root if is_uri(checkpoint_root) else summary.checkpoint_dir
     return TrainResult(checkpoints=FlyteDirectory(checkpoints), logs=FlyteDirectory(summary.output_dir),
                        summary=summary)
+
+
+def records_attempt() -> int | None:
+    """The number of this attempt's records: the one the launching agent chose for its workers, else the
+    Flyte attempt on a cluster (propeller sets FLYTE_ATTEMPT_NUMBER); None elsewhere, where the records take
+    the next free number in the checkpoint root."""
+    for name in (RECORDS_ATTEMPT_ENV, "FLYTE_ATTEMPT_NUMBER"):
+        if os.environ.get(name, "").isdigit():
+            return int(os.environ[name])
+    return None
 
 
 def stop_preempted(preempted: Preempted | str, checkpoint_root: str) -> NoReturn:
@@ -203,6 +219,12 @@ class ElasticTrainTask(TopologyTaskMixin, PytorchElasticFunctionTask):
         stderr_dir = tempfile.mkdtemp(prefix="worker-stderr-",
                                       dir=flytekit.current_context().working_directory)
         os.environ[STDERR_DIR_ENV] = stderr_dir  # the workers inherit it (forked or spawned)
+        store = checkpoint_store(kwargs["checkpoint_root"])
+        attempt = records_attempt()
+        attempt = attempt if attempt is not None else next_attempt(store)
+        os.environ[RECORDS_ATTEMPT_ENV] = str(attempt)  # the workers' records go to the same attempt
+        records = RecordsSync(attempt_records(store, attempt), kwargs["config"].telemetry.records_every_s,
+                              tails={"stderr": Path(stderr_dir)}).start()
         try:
             return super().execute(**kwargs)
         except RendezvousError as exc:  # not every node came up in time: a retry may find them
@@ -219,6 +241,8 @@ class ElasticTrainTask(TopologyTaskMixin, PytorchElasticFunctionTask):
             raise FlyteUserRuntimeException(WorkerGroupFailed(f"{failed}\n{exc.value}")) from exc
         finally:
             os.environ.pop(STDERR_DIR_ENV, None)
+            os.environ.pop(RECORDS_ATTEMPT_ENV, None)
+            records.close()  # the end of every local worker's stderr, however the group ended
 
     @property
     def single_process(self) -> bool:

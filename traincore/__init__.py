@@ -21,6 +21,6 @@ Modules here:
 
 Subpackages, by concern:
     data/        sources, staging, the staged format (manifest), the loader, autotune, fingerprints
-    checkpoint/  the checkpointer over the state registry, its layout, formats, writers, mirroring
+    checkpoint/  the checkpointer over the state registry, its layout, formats, writers, stores
     telemetry/   logging and per-interval metrics, sinks (JSONL, TensorBoard, W&B), profiling, start-up phases
 """

@@ -342,6 +342,11 @@ class TelemetryConfig:
     tb_flush_secs: int = 30
     """Seconds between flushes of TensorBoard's writer: how stale a remote event file may get (a local one
     gets each event as the writer thread takes it)."""
+    records_every_s: float = 30.0
+    """Seconds between copies of the run's records (metrics.jsonl, TensorBoard events, workers' stderr
+    tails) into ``<checkpoint root>/records/attempt-<N>/`` while it runs, when that root is not inside the
+    output directory (an object store, a shared filesystem); a last copy is made when the run ends,
+    however it ends. 0: only that last one."""
     wandb_mode: str = "disabled"
     """Weights & Biases: ``disabled``, ``offline`` (local files only) or ``online``."""
     wandb_project: str = "flyte-torch-pipeline"
@@ -354,6 +359,8 @@ class TelemetryConfig:
     def __post_init__(self) -> None:
         _check_types(self, "telemetry")
         _ints(self, "telemetry", log_every=1, tb_max_queue=1, tb_flush_secs=1)
+        _check(self.records_every_s >= 0, "telemetry.records_every_s", self.records_every_s,
+               "must be >= 0 seconds (e.g. 30; 0 copies the records only when the run ends)")
         _one_of("telemetry.wandb_mode", self.wandb_mode, WANDB_MODES)
         _one_of("telemetry.progress", self.progress, ("auto", "on", "off"))
         _one_of("telemetry.level", self.level, ("DEBUG", "INFO", "WARNING", "ERROR"))

@@ -63,6 +63,7 @@ from traincore.state import Progress, training_registry
 from traincore.steps import endless, seed_everything, total_steps, train_step, validate, warmup_cosine
 from traincore.telemetry.metrics import peak_flops, state_bytes, training_flops_per_sample
 from traincore.telemetry.profiling import ProfilerWindow
+from traincore.telemetry.records import RecordsSync, attempt_records, next_attempt
 from traincore.telemetry.reporting import Telemetry, Workload, logging_setup
 from traincore.telemetry.startup import StartupClock, process_start_time
 from traincore.telemetry.summary import TrainSummary, format_summary
@@ -101,13 +102,17 @@ class Trainer:
     ``startup`` clock (:meth:`~.startup.StartupClock.state_dict`), which it continues in place
     of ``started_at``: the time up to this Trainer counts as "launch".
 
+    ``attempt`` numbers this attempt's records in a durable checkpoint root (``records/attempt-<N>/``,
+    :mod:`~traincore.telemetry.records`); None takes the next free number.
+
     Process-wide settings the run needs (deterministic algorithms, the root logger's handler and level)
     are restored when the Trainer closes, so code that runs in the same process afterwards is unaffected.
     """
 
     def __init__(self, cfg: Config, data_dir: str | Path, output_dir: str | Path,
                  checkpoint_dir: str | Path | Store | None = None, started_at: float | None = None, *,
-                 manifest: Manifest | None = None, startup: dict | None = None):
+                 manifest: Manifest | None = None, startup: dict | None = None, attempt: int | None = None):
+        self.attempt = attempt
         self.startup = StartupClock(started_at)
         if startup is not None:
             self.startup.load_state_dict(startup)
@@ -156,6 +161,9 @@ class Trainer:
                                  bf16=cfg.train.bf16, compile=cfg.model.compile)
         self.optimizer, self.scheduler = optimizer_and_schedule(cfg, self.model, self.total_steps)
         self.startup.mark("model")
+        self.records = self._records()
+        if self.records is not None:  # closed after telemetry, whose last rows and events it copies
+            stack.callback(self.records.close)
         self.telemetry = Telemetry(cfg.telemetry, self.output, ctx, workload, cfg.to_dict())
         stack.callback(self.telemetry.close)
         self.startup.mark("telemetry")
@@ -217,6 +225,19 @@ class Trainer:
         return {"config": self.cfg.to_dict(), "num_classes": manifest.num_classes,
                 "shape": list(manifest.shape), "classes": manifest.classes, "mean": manifest.mean,
                 "std": manifest.std, "source": manifest.source, "world_size": self.ctx.world_size}
+
+    def _records(self) -> RecordsSync | None:
+        """Rank 0's copier of metrics.jsonl and the TensorBoard events into the checkpoint root's
+        ``records/attempt-<N>/`` (N: ``attempt``, else the next free number), when that root is durable
+        storage of its own rather than a directory inside the output."""
+        root = self.checkpoint_root
+        inside_output = root.local and root.path.resolve().is_relative_to(self.output.resolve())
+        if not self.ctx.is_main or inside_output:
+            return None
+        attempt = self.attempt if self.attempt is not None else next_attempt(root)
+        sources = {"metrics.jsonl": self.output / "metrics.jsonl", "tensorboard": self.output / "tensorboard"}
+        every_s = self.cfg.telemetry.records_every_s
+        return RecordsSync(attempt_records(root, attempt), every_s, sources).start()
 
     def _committed_checkpoint(self) -> str:
         """The newest checkpoint this run knows committed (loaded or saved), for the grace's last word."""
@@ -298,7 +319,8 @@ class Trainer:
                             val_accuracy=val_accuracy, resumed_from=self.resumed_from,
                             checkpoint_dir=str(self.checkpoint_root), output_dir=str(self.output),
                             wall_s=totals["wall_s"], world_size=self.ctx.world_size,
-                            startup_s=dict(self.startup.phases))
+                            startup_s=dict(self.startup.phases),
+                            records=self.records.target.uri if self.records is not None else "")
 
 
 @contextmanager

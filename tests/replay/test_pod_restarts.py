@@ -34,17 +34,19 @@ from types import SimpleNamespace
 import pytest
 from flyteidl.core import errors_pb2, literals_pb2
 from replay_helpers import run_replay  # noqa: I001  (a module beside this file)
+from s3_server import tensorboard_steps
 
 from replay import literals
 from replay.retry import kill_pod, start_pod
 from traincore.checkpoint.format import read_checkpoint
 from traincore.checkpoint.layout import complete_steps, read_marker, step_store
 from traincore.checkpoint.store import Store
+from traincore.telemetry.records import attempt_records
 
 MAX_STEPS, EVERY = 200, 20  # 10-30 s of training on a 2-core machine (busy or not)
 TRAIN_NODE = "n2-0-dn0"
 CONFIG = json.dumps({"model": {"name": "small_cnn", "width": 8}, "loader": {"batch_size": 8},
-                     "telemetry": {"log_every": 10, "tensorboard": False},
+                     "telemetry": {"log_every": 10, "records_every_s": 2},
                      "checkpoint": {"every": EVERY, "mode": "dcp"}})
 INPUTS = ("backend=kubernetes", "nnodes=2", "nproc_per_node=1", "max_restarts=1", "parallelism=fsdp",
           f"max_steps={MAX_STEPS}", f"config_overrides={CONFIG}")
@@ -89,7 +91,8 @@ def job(non_fast_package, tmp_path_factory, s3_server):
         output_dir = Path(summary["workdir"]) / "store" / "metadata" / "propeller"
         (outputs_pb,) = output_dir.glob(f"*/{TRAIN_NODE}/data/0/outputs.pb")
         yield SimpleNamespace(package=non_fast_package, workdir=workdir, root=root, pods=pods,
-                              summary=summary, reference=reference, outputs_pb=outputs_pb, base=base)
+                              summary=summary, reference=reference, outputs_pb=outputs_pb, base=base,
+                              s3=s3_server)
 
 
 def fresh_run(job) -> dict[str, str]:
@@ -207,6 +210,14 @@ def test_evicted_pods_save_their_step_and_the_flyte_retry_resumes_from_it_bitwis
     assert f"preempted at step {latest} by SIGTERM: checkpoint step-{latest} saved" in error.message
     assert latest < MAX_STEPS
     print(f"evicted pods saved step {latest} and exited in {took:.1f} s")
+    # The evicted attempt's records are in the store: metrics to the step it saved, TensorBoard events that
+    # TensorBoard's own reader reads there, and the end of each rank's stderr.
+    records = attempt_records(job.root, 0)
+    rows = [json.loads(line) for line in records.read_bytes("metrics.jsonl").splitlines()]
+    assert max(row["step"] for row in rows if row.get("kind") == "train") >= latest - 10
+    (events,) = {name.rsplit("/", 1)[0] for name in records.files() if name.startswith("tensorboard/")}
+    assert tensorboard_steps(job.s3, records.uri_of(events), "train/loss")[-1] >= latest - 10
+    assert {"stderr/rank-0.log", "stderr/rank-1.log"} <= set(records.files())
     (job.outputs_pb.parent / "error.pb").unlink()
     code, output, retry = run_replay(job.package, job.workdir, module="replay.retry", options=(
         "--store", str(job.workdir / "store"), "--execution", job.summary["execution"], "--node", TRAIN_NODE))

@@ -6,8 +6,9 @@ the fast registration's code tarball, every node's inputs/outputs, the staged da
 exported model and the evaluation all go through s3:// URIs on the server; the pods reach it only through
 the FLYTE_AWS_* settings a platform injects. Then the same checkpoint root resumes twice from a step
 before the end: in Flyte's retry of the train node (attempt 1, new pods, same inputs.pb), and in a new
-execution on one pod of two processes; both end with bitwise the weights of the uninterrupted run (the
-same world size, deterministic CPU training).
+execution on one pod of two processes. The retry ends with bitwise the weights of the uninterrupted run (the
+same world size and pods, deterministic CPU training of the small model the pod-restart tests train); the
+one-pod execution, whose processes run one torch thread each, ends within float rounding of them.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import json
 import uuid
 
 import pytest
+import torch
 from replay_helpers import run_replay  # noqa: I001  (a module beside this file)
 
 from traincore.checkpoint.format import read_checkpoint
@@ -24,15 +26,20 @@ from traincore.checkpoint.store import Store
 
 MAX_STEPS, EVERY = 60, 20
 TRAIN_NODE = "n2-0-dn0"  # the train task inside the @dynamic train_on_backend node
-CONFIG = json.dumps({"checkpoint": {"every": EVERY, "mode": "async"}, "telemetry": {"tensorboard": False}})
+CONFIG = json.dumps({"model": {"name": "small_cnn", "width": 8}, "loader": {"batch_size": 8},
+                     "checkpoint": {"every": EVERY, "mode": "async"}, "telemetry": {"tensorboard": False}})
 TWO_PODS = ("backend=kubernetes", "nnodes=2", "nproc_per_node=1", "max_restarts=1", "parallelism=fsdp")
 
 
-def weights(root: Store, step: int) -> dict[str, bytes]:
-    """The model tensors of checkpoint ``step``, read straight from the bucket, as raw bytes."""
+def weights(root: Store, step: int) -> dict[str, torch.Tensor]:
+    """The model tensors of checkpoint ``step``, read straight from the bucket."""
     tensors, info = read_checkpoint(step_store(root, step))
     assert info["step"] == step
-    return {name: tensor.contiguous().numpy().tobytes() for name, tensor in tensors.items()}
+    return tensors
+
+
+def bitwise_equal(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool:
+    return a.keys() == b.keys() and all(torch.equal(a[name], b[name]) for name in a)
 
 
 def drop_last_step(root: Store) -> int:
@@ -65,7 +72,7 @@ def test_two_pods_checkpoint_into_s3_and_the_root_resumes_bitwise_on_two_pods_an
     assert any(k.startswith("store/raw/") and k.endswith("/model.safetensors") for k in keys)  # export
     assert summary["outputs"]["model"]["directory"]["path"].startswith(f"s3://{s3.bucket}/store/raw/")
     assert train["checkpoints"]["path"].startswith(root.uri)
-    assert summary["outputs"]["report"]["result"]["accuracy"] > 0.3
+    assert summary["outputs"]["report"]["result"]["accuracy"] > 0.2
     steps = complete_steps(root)
     assert steps[-1] == MAX_STEPS and set(steps) <= set(range(EVERY, MAX_STEPS + 1, EVERY)), steps
     for step in steps:  # one shard file per rank, written by that rank, and a marker listing them
@@ -84,11 +91,12 @@ def test_two_pods_checkpoint_into_s3_and_the_root_resumes_bitwise_on_two_pods_an
     result = retry["outputs"]["o0"]["summary"]
     assert (result["resumed_from"], result["steps"], result["world_size"]) == (latest, MAX_STEPS, 2)
     assert any(k.endswith(f"/{TRAIN_NODE}/data/1/outputs.pb") for k in s3.keys("store/"))
-    (pod,) = workdir.glob(f"pods/{summary['execution']}-{TRAIN_NODE}-1-worker-0")
-    started = json.loads((pod / "pod.json").read_text())
-    assert started["env"]["FLYTE_ATTEMPT_NUMBER"] == "1"
-    assert f"resumed from step {latest}" in (pod / "log.txt").read_text(errors="replace")
-    assert weights(root, MAX_STEPS) == final
+    pods = sorted(workdir.glob(f"pods/{summary['execution']}-{TRAIN_NODE}-1-worker-*"))
+    started = json.loads((pods[0] / "pod.json").read_text())
+    assert len(pods) == 2 and started["env"]["FLYTE_ATTEMPT_NUMBER"] == "1"
+    logs = "".join((pod / "log.txt").read_text(errors="replace") for pod in pods)  # rank 0 says it
+    assert f"resumed from step {latest}" in logs
+    assert bitwise_equal(weights(root, MAX_STEPS), final)
 
     # A new execution on one pod of two processes resumes from the same root.
     latest = drop_last_step(root)
@@ -99,7 +107,11 @@ def test_two_pods_checkpoint_into_s3_and_the_root_resumes_bitwise_on_two_pods_an
     assert code == 0, output[-6000:]
     result = again["node_outputs"][TRAIN_NODE]["o0"]["summary"]
     assert (result["resumed_from"], result["steps"], result["world_size"]) == (latest, MAX_STEPS, 2)
-    assert weights(root, MAX_STEPS) == final
+    # The same world size, but two processes share one pod's cores (one torch thread each, where each pod
+    # of the job ran two): CPU kernels may round differently in the last bits, so close, not bitwise.
+    resumed = weights(root, MAX_STEPS)
+    for name, tensor in final.items():
+        torch.testing.assert_close(resumed[name], tensor, rtol=1e-4, atol=1e-5, msg=name)
     # The pods got the store's credentials from the environment only: no file the replays left holds them.
     secret = s3.env["FLYTE_AWS_SECRET_ACCESS_KEY"]
     holding = [path for path in tmp_path.rglob("*")

@@ -156,3 +156,14 @@ def slurm_loopback() -> Iterator[LoopbackCluster]:
         if STARTED_BY_TESTS.exists() and not _other_live_sessions():
             subprocess.run([str(SCRIPT), "down"], capture_output=True, text=True, timeout=300)
             STARTED_BY_TESTS.unlink(missing_ok=True)
+
+
+BRIDGE_ADDRESS = "10.233.71.1"  # scripts/slurm-loopback's HOST_IP: the host side of both nodes' network
+
+
+@pytest.fixture(scope="session")
+def bridge_s3(slurm_loopback, tmp_path_factory):
+    """A local S3 server (moto) on the loopback cluster's bridge, so that the nodes reach it too."""
+    from s3_server import start_s3_server
+
+    yield from start_s3_server(tmp_path_factory.mktemp("bridge-s3"), host=BRIDGE_ADDRESS)

@@ -17,7 +17,8 @@ import pytest
 from tasks.launch import train_task_for
 from tasks.types import SlurmSettings, StagedDataset, Topology
 from traincore.checkpoint.format import read_checkpoint
-from traincore.checkpoint.layout import complete_steps, step_dir, verify_checkpoint
+from traincore.checkpoint.layout import complete_steps, read_marker, step_dir, step_store, verify_checkpoint
+from traincore.checkpoint.store import Store
 from traincore.data.manifest import Manifest
 from traincore.presets import preset
 
@@ -47,19 +48,25 @@ def new_jobs(cluster, before: dict[int, tuple[str, int]]) -> dict[int, tuple[str
     return {job: info for job, info in cluster.finished().items() if job not in before}
 
 
-def test_pipeline_trains_on_two_nodes_and_shares_checkpoints_with_the_local_backend(slurm_loopback, tmp_path):
-    """Local DDP, then two Slurm nodes sharding the model with FSDP from that checkpoint, then local DDP
-    again from theirs: one checkpoint root across backends, parallelisms and world sizes."""
-    root = tmp_path / "checkpoints"
-    common = ("--checkpoint_uri", str(root), "--nproc_per_node")
-    local = pipeline("--max_steps", "10", *common, "2", cwd=tmp_path)
+def test_pipeline_trains_on_two_nodes_and_shares_checkpoints_with_the_local_backend(slurm_loopback, bridge_s3,
+                                                                                    tmp_path):
+    """Local DDP, then two Slurm nodes sharding the model with FSDP from that checkpoint, every rank writing
+    its dcp shards into an S3 bucket (a local server the nodes reach over the cluster's bridge), then local
+    DDP again from theirs: one checkpoint root in an object store, across backends, parallelisms, modes
+    and world sizes."""
+    s3 = bridge_s3
+    uri = f"s3://{s3.bucket}/slurm-{uuid.uuid4().hex[:8]}"
+    root = Store(uri, s3.storage_options)
+    common = ("--checkpoint_uri", uri, "--nproc_per_node")
+    local = pipeline("--max_steps", "10", *common, "2", cwd=tmp_path, **s3.env)
     assert local.returncode == 0, output(local)[-3000:]
 
     before = slurm_loopback.finished()
     secret = f"not-a-real-key-{uuid.uuid4().hex}"  # reaches the job through sbatch's environment only
     slurm = pipeline("--backend", "slurm", "--slurm_target", slurm_loopback.alias, "--nnodes", "2",
-                     "--parallelism", "fsdp", "--max_steps", "20", *common, "1", cwd=tmp_path,
-                     AWS_SECRET_ACCESS_KEY=secret)
+                     "--parallelism", "fsdp", "--max_steps", "20", "--config_overrides",
+                     '{"checkpoint": {"mode": "dcp"}}', *common, "1", cwd=tmp_path,
+                     AWS_SECRET_ACCESS_KEY=secret, **s3.env)
     text = output(slurm)
     assert slurm.returncode == 0, text[-3000:]
     [job] = new_jobs(slurm_loopback, before)
@@ -68,12 +75,14 @@ def test_pipeline_trains_on_two_nodes_and_shares_checkpoints_with_the_local_back
     assert "on slurm, fsdp" in text, text
     assert re.search(r"test accuracy: 0\.\d+", text), text
     assert list(new_jobs(slurm_loopback, before).values()) == [("COMPLETED", 2)]
-    step20 = sorted(root.glob("step-*20"))
-    assert step20, sorted(p.name for p in root.iterdir())
-    _, saved = read_checkpoint(step20[-1])
+    assert complete_steps(root)[-1] == 20
+    marker = read_marker(step_store(root, 20))  # each node's rank wrote its own shard into the bucket
+    shards = {name: entry["rank"] for name, entry in marker["files"].items() if name.endswith(".distcp")}
+    assert marker["mode"] == "dcp" and shards == {"__0_0.distcp": 0, "__1_0.distcp": 1}, marker
+    _, saved = read_checkpoint(step_store(root, 20))
     assert saved["step"] == 20 and saved["meta"]["world_size"] == 2  # nodes x processes
 
-    back = pipeline("--max_steps", "30", *common, "2", cwd=tmp_path)
+    back = pipeline("--max_steps", "30", *common, "2", cwd=tmp_path, **s3.env)
     assert back.returncode == 0 and "resumed from step 20" in output(back), output(back)[-3000:]
 
 

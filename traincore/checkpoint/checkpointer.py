@@ -58,6 +58,7 @@ from torch.optim import Optimizer
 from traincore.checkpoint.format import flat_shapes, load_tensors, open_saved, split_tensors
 from traincore.checkpoint.layout import (
     EXTRA_FILE,
+    MARKER,
     STATE_FILE,
     CheckpointError,
     CorruptCheckpointError,
@@ -68,7 +69,9 @@ from traincore.checkpoint.layout import (
     prune,
     read_marker,
     remove_step,
+    step_dirs,
     step_store,
+    torn_steps,
     verify_checkpoint,
     write_error,
     write_marker,
@@ -113,6 +116,7 @@ class Checkpointer:
         self.last_save: SaveStats | None = None
         self.committed: int | None = None  # the newest step this run loaded or committed
         self._interval_start = time.monotonic()  # checkpoint.every_s counts from here
+        self._present: set[int] | None = None  # object store: step prefixes known there (rank 0)
         self._group = self._new_group()
         self._pending: Future | None = None  # the commit of the save in flight
         self._snapshot: Future | None = None  # its copy of the state, while it may be in progress
@@ -184,7 +188,7 @@ class Checkpointer:
         shared = self.registry.shared_state(full=self.cfg.mode == "sync")
         per_rank = self._gather(self.registry.rank_state())
         # no rank writes before the leftover is gone; an entry that is not ours stops every rank
-        error = self._broadcast(self._make_dir(directory) if self.rank == 0 else None)
+        error = self._broadcast(self._make_dir(directory, step) if self.rank == 0 else None)
         if error:
             raise CheckpointError(error)
         with failing_save(directory, discard=self.rank == 0):  # e.g. a full disk: the error names the file
@@ -197,11 +201,22 @@ class Checkpointer:
         else:
             self._pending = self._executor.submit(self._commit, directory, step, start, blocking, finish)
 
-    @staticmethod
-    def _make_dir(directory: Store) -> str | None:
-        """Rank 0: replace a torn (or superseded) leftover of the step by an empty directory; the error."""
+    def _make_dir(self, directory: Store, step: int) -> str | None:
+        """Rank 0: replace a torn (or superseded) leftover of the step by an empty directory; the error.
+
+        In an object store only a step known to be there is looked at: the root's step prefixes listed at
+        the first save, and this run's own saves since. A listing per save (a round trip to the store)
+        would sit on the path that blocks training, which for ``async`` is otherwise milliseconds.
+        """
         try:
-            clear_step(directory)
+            if self.root.local:
+                clear_step(directory)
+            else:
+                if self._present is None:
+                    self._present = set(step_dirs(self.root))
+                if step in self._present:
+                    clear_step(directory)
+                self._present.add(step)
             directory.make_dir()
         except CheckpointError as exc:
             return str(exc)
@@ -363,6 +378,11 @@ class Checkpointer:
                         "directory; never deleted): move it out of %s to silence this warning", entry,
                         self.root)
         complete = complete_steps(self.root)
+        for torn in torn_steps(self.root):
+            if not complete or torn > complete[-1]:
+                log.warning("skipping %s: its save never committed (no %s; the process was stopped while "
+                            "writing it); resuming from the latest committed step instead", step_store(
+                                self.root, torn), MARKER)
         if step is not None:
             if step not in complete:
                 raise CheckpointError(f"no complete checkpoint for step {step} under {self.root}; complete "

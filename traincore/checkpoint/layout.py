@@ -133,7 +133,8 @@ def parse_step_name(name: str) -> int | None:
     return int(match.group(1))
 
 
-def _step_dirs(root: str | Path | Store) -> dict[int, Store]:
+def step_dirs(root: str | Path | Store) -> dict[int, Store]:
+    """The step directories under ``root`` (complete, torn or foreign), by step."""
     store = as_store(root)
     found = ((parse_step_name(name), name) for name, kind in store.entries().items() if kind == "dir")
     return {step: store.child(name) for step, name in found if step is not None}
@@ -141,7 +142,7 @@ def _step_dirs(root: str | Path | Store) -> dict[int, Store]:
 
 def complete_steps(root: str | Path | Store) -> list[int]:
     """Steps under ``root`` that have a commit marker, oldest first; needs no process group."""
-    return sorted(step for step, location in _step_dirs(root).items() if location.is_file(MARKER))
+    return sorted(step for step, location in step_dirs(root).items() if location.is_file(MARKER))
 
 
 def latest_complete(root: str | Path) -> Path | None:
@@ -166,6 +167,16 @@ def is_torn(directory: str | Path | Store) -> bool:
         return False  # an object store has no empty directories: nothing is there
     return MARKER not in entries and all(kind == "file" and _SAVED_FILE.match(name)
                                          for name, kind in entries.items())
+
+
+def torn_steps(root: str | Path | Store) -> list[int]:
+    """Steps under ``root`` whose save began but never committed: no marker, only files a save writes, or
+    (in an object store) only uploads that never completed."""
+    store = as_store(root)
+    torn = {step for step, location in step_dirs(store).items() if is_torn(location)}
+    uploading = {parse_step_name(name.split("/")[0]) for name in store.unfinished_uploads()}
+    complete = complete_steps(store)
+    return sorted(torn | {step for step in uploading if step is not None and step not in complete})
 
 
 def foreign_entries(root: str | Path | Store) -> list[str]:
@@ -412,7 +423,7 @@ def remove_step(directory: str | Path | Store) -> None:
 def prune(root: str | Path | Store, keep_last: int) -> None:
     """Keep the newest ``keep_last`` complete steps; delete older ones and torn ones older than the newest
     (never an entry that is not ours)."""
-    steps = _step_dirs(root)
+    steps = step_dirs(root)
     complete = sorted(step for step, location in steps.items() if location.is_file(MARKER))
     if not complete:
         return
@@ -422,3 +433,8 @@ def prune(root: str | Path | Store, keep_last: int) -> None:
         log.info("deleting %s: a save that never committed", location)
     for location in old + torn_older:
         remove_step(location)
+    # Uploads of a save killed before any of its files completed: no listing shows their step.
+    def older(name: str) -> bool:
+        step = parse_step_name(name.split("/")[0])
+        return step is not None and step < complete[-1]
+    as_store(root).abort_uploads(older)

@@ -17,6 +17,7 @@ from __future__ import annotations
 import io
 import shutil
 import zlib
+from collections.abc import Callable
 from pathlib import Path, PurePosixPath
 from typing import IO
 
@@ -202,7 +203,32 @@ class Store:
         names = sorted(self.files())
         if names:
             self.fs.rm([self._key(name) for name in names])
+        self.abort_uploads()
         self.fs.invalidate_cache(self._base)
+
+    def unfinished_uploads(self) -> dict[str, str]:
+        """Multipart uploads below this location that were begun and neither completed nor aborted (a rank
+        killed mid-upload leaves one, invisible to listings): name -> upload id. s3fs only; none elsewhere."""
+        if self.local or not hasattr(self.fs, "list_multipart_uploads"):
+            return {}
+        bucket, _, prefix = self._base.partition("/")
+        try:
+            uploads = self.fs.list_multipart_uploads(bucket)
+        except FileNotFoundError:  # no bucket, so no uploads either
+            return {}
+        return {upload["Key"].removeprefix(f"{prefix}/"): upload["UploadId"] for upload in uploads
+                if upload["Key"].startswith(f"{prefix}/")}
+
+    def abort_uploads(self, select: Callable[[str], bool] = lambda name: True) -> list[str]:
+        """Abort the unfinished uploads below this location whose names ``select`` picks (their parts are
+        kept, and billed, by the store until then); the names."""
+        bucket = self._base.partition("/")[0]
+        aborted = []
+        for name, upload_id in self.unfinished_uploads().items():
+            if select(name):
+                self.fs.abort_mpu(bucket, self._key(name), upload_id)
+                aborted.append(name)
+        return aborted
 
 
 def _local_kind(path: Path) -> str:

@@ -6,4 +6,5 @@
     profiling  an optional torch.profiler window, one Chrome trace per rank
     startup    where start-up time goes: phase marks from process start to the first step
     summary    what a finished run reports (TrainSummary) and the line a user reads
+    records    every attempt's records (metrics.jsonl, events, stderr tails) copied into the durable root
 """

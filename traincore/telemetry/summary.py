@@ -22,6 +22,9 @@ class TrainSummary:
     world_size: int = 1
     startup_s: dict[str, float] = field(default_factory=dict)
     """This attempt's start-up phases in seconds (imports, preflight, ..., first step), in order."""
+    records: str = ""
+    """Where this attempt's records (metrics.jsonl, TensorBoard events) are kept in the durable root; empty
+    when they stay in the output directory only."""
 
 
 def format_summary(summary: TrainSummary) -> str:
@@ -34,4 +37,5 @@ def format_summary(summary: TrainSummary) -> str:
     return (f"trained {summary.steps} steps in {summary.wall_s:.1f} s{resumed}: "
             f"{summary.samples_per_s:,.0f} samples/s, data-wait {100 * summary.data_wait_share:.1f}%, "
             f"final loss {summary.final_loss:.4f}, val accuracy {val}; "
-            f"checkpoints in {summary.checkpoint_dir}")
+            f"checkpoints in {summary.checkpoint_dir}" + (f"; records in {summary.records}" if summary.records
+                                                          else ""))

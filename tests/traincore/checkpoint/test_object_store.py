@@ -6,7 +6,11 @@ from __future__ import annotations
 import json
 import logging
 import os
+import re
+import signal
 import subprocess
+import sys
+import time
 import uuid
 import zlib
 from pathlib import Path
@@ -14,13 +18,21 @@ from pathlib import Path
 import pytest
 import torch
 from test_checkpoint import assert_same, load, make_state, save_steps, snapshot, train  # noqa: I001  (beside this file)
-from trainruns import TINY, train_cmd
+from trainruns import TINY, kill_tree, train_cmd
 
 from traincore.checkpoint.checkpointer import Checkpointer
 from traincore.checkpoint.format import read_checkpoint
-from traincore.checkpoint.layout import MARKER, CheckpointError, complete_steps, read_marker, step_store
+from traincore.checkpoint.layout import (
+    MARKER,
+    CheckpointError,
+    complete_steps,
+    read_marker,
+    step_store,
+    verify_checkpoint,
+)
 from traincore.checkpoint.store import Store
 from traincore.config import CHECKPOINT_MODES, CheckpointConfig
+from traincore.preemption import PREEMPTED_EXIT_CODE, read_record
 from traincore.preflight import OutputError, ensure_writable_store
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
@@ -86,7 +98,8 @@ def test_a_prefix_without_marker_never_loads_and_junk_is_named_not_deleted(s3_se
     caplog.set_level(logging.WARNING)
     assert complete_steps(root) == [2, 4]
     assert load(root, mode="dcp") == 4
-    assert f"{root.uri}/step-000008" in caplog.text and "step-000006" not in caplog.text
+    assert f"ignoring {root.uri}/step-000008: it is not a checkpoint of traincore" in caplog.text
+    assert f"skipping {root.uri}/step-000006: its save never committed" in caplog.text
     with pytest.raises(CheckpointError, match="no complete checkpoint for step 6"):
         load(root, step=6, mode="dcp")
     save_steps(root, "dcp", [10])  # its prune deletes our torn prefix, never the other program's
@@ -177,3 +190,85 @@ def test_two_ranks_write_their_own_shards_and_the_root_reshards_on_one_and_three
     secret = s3.aws_env["AWS_SECRET_ACCESS_KEY"].encode()
     assert not [name for name, data in objects(s3, root).items() if secret in data]
     assert json.loads(objects(s3, root)["step-000020/commit.json"])["world_size"] == 3
+
+
+def test_a_run_killed_mid_upload_resumes_from_the_last_committed_step_and_names_the_torn_one(
+        s3_server, data_dir, tmp_path):
+    s3, uri = s3_server, f"s3://{s3_server.bucket}/killed-{uuid.uuid4().hex[:8]}"
+    root, bucket = Store(uri, s3.storage_options), s3_server.bucket
+    prefix = uri.removeprefix(f"s3://{bucket}/")
+    # ~40 MB of FSDP state per rank, uploaded in 5 MiB parts: each save spends a while mid-upload.
+    config = {**TINY, "model": {"name": "mlp", "width": 2048}, "checkpoint": {"every": 4, "mode": "dcp"}}
+    env = {**os.environ, "OMP_NUM_THREADS": "1", **s3.aws_env, "FSSPEC_S3": '{"default_block_size": 5242880}'}
+    command = train_cmd(data_dir, tmp_path / "run", 2, "--checkpoint-dir", uri, "--max-steps", "40",
+                        "--parallelism", "fsdp", config=config)
+    client = s3.client()
+
+    def uploading() -> list[str]:
+        uploads = client.list_multipart_uploads(Bucket=bucket, Prefix=f"{prefix}/").get("Uploads", [])
+        return [upload["Key"] for upload in uploads]
+
+    process = subprocess.Popen(command, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        deadline = time.monotonic() + 240
+        while not (complete_steps(root) and uploading()) and process.poll() is None:
+            assert time.monotonic() < deadline, "no upload was caught in flight"
+            time.sleep(0.02)
+        in_flight = uploading()
+    finally:
+        kill_tree(process.pid)
+        process.wait(timeout=30)
+    assert in_flight, "the run ended before an upload was caught in flight"
+    torn = int(in_flight[0].split("/")[-2].removeprefix("step-"))
+    committed = complete_steps(root)
+    assert committed and torn not in committed and committed[-1] < torn, (committed, in_flight)
+    # The next attempt: never the torn step, which it names; the previous committed one instead.
+    done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    log = done.stdout + done.stderr
+    assert f"resumed from step {committed[-1]} in {uri}" in log, log[-3000:]
+    assert f"skipping {uri}/step-{torn:06d}: its save never committed" in log, log[-3000:]
+    assert complete_steps(root)[-1] == 40 and uploading() == []  # the torn upload is aborted, not billed
+    for step in complete_steps(root):
+        marker_matches_store(s3, root, step)
+
+
+@pytest.mark.parametrize("grace_s", [20.0, 0.05])
+def test_a_signal_commits_the_agreed_step_in_the_store_within_the_grace_or_names_the_one_that_stands(
+        s3_server, data_dir, tmp_path, grace_s):
+    """SIGTERM to a 2-rank run (the launcher forwards it to both workers): with the default grace the step
+    they agree on is committed in the store before they exit; with a grace too short for its upload the
+    previous committed step stands, and the message names it."""
+    s3, uri = s3_server, f"s3://{s3_server.bucket}/signal-{uuid.uuid4().hex[:8]}"
+    root = Store(uri, s3.storage_options)
+    config = {**TINY, "model": {"name": "mlp", "width": 2048},
+              "checkpoint": {"every": 4, "mode": "dcp", "preemption_grace_s": grace_s}}
+    command = [sys.executable, "-m", "traincore.train", "--data", str(data_dir), "--output",
+               str(tmp_path / "run"), "--preset", "debug", "--config", json.dumps(config), "--max-steps",
+               "400", "--nproc-per-node", "2", "--parallelism", "fsdp", "--checkpoint-dir", uri]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", **s3.aws_env}
+    with open(tmp_path / "log", "wb") as log:
+        process = subprocess.Popen(command, env=env, stdout=log, stderr=subprocess.STDOUT,
+                                   start_new_session=True)
+    try:
+        deadline = time.monotonic() + 240
+        while len(complete_steps(root)) < 2 and process.poll() is None:
+            assert time.monotonic() < deadline, "no checkpoint was committed"
+            time.sleep(0.05)
+        process.send_signal(signal.SIGTERM)
+        assert process.wait(timeout=60) == PREEMPTED_EXIT_CODE
+    finally:
+        kill_tree(process.pid)
+    text = (tmp_path / "log").read_text(errors="replace")
+    latest = complete_steps(root)[-1]
+    if grace_s == 20.0:
+        assert f"preempted at step {latest} by SIGTERM: checkpoint step-{latest} saved in {uri}" in text, (
+            text[-3000:])
+        assert read_record(root).step == latest
+    else:
+        named = re.search(rf"exiting: the committed checkpoint step (\d+) in {re.escape(uri)} stays the one "
+                          "a resume loads", text)
+        assert named and int(named[1]) in complete_steps(root), text[-3000:]
+        assert read_record(root) is None
+    for step in complete_steps(root):
+        verify_checkpoint(step_store(root, step))

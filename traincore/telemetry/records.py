@@ -1,0 +1,102 @@
+"""A run's records kept in its durable root while it runs: ``<root>/records/attempt-<N>/``.
+
+The sinks write ``metrics.jsonl`` and TensorBoard's event files into the run's output directory, which on a
+cluster is a pod's disk: gone with the pod. :class:`RecordsSync` copies them, every
+``telemetry.records_every_s`` and once more when the run ends however it ends (a failure, a preemption),
+into the checkpoint root's ``records/attempt-<N>/``, so a failed or preempted attempt keeps them and a
+running one can be watched (``tensorboard --logdir <root>/records``). A launcher adds the tails of its
+workers' stderr copies the same way.
+
+Object stores have no append: a file that changed since its last copy is uploaded whole. Records are
+small (a metrics row is about 300 bytes, an event about 100), so this is cheap next to a checkpoint; a
+stderr copy contributes only its last :data:`TAIL_BYTES`.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from pathlib import Path
+
+from traincore.checkpoint.store import Store
+
+RECORDS_DIR = "records"
+TAIL_BYTES = 64 << 10  # of a stderr copy: the end of a failure, not the whole log
+
+log = logging.getLogger(__name__)
+
+
+def attempt_records(root: Store, attempt: int) -> Store:
+    """Where attempt ``attempt``'s records go under the checkpoint ``root``."""
+    return root.child(RECORDS_DIR).child(f"attempt-{attempt}")
+
+
+def next_attempt(root: Store) -> int:
+    """The number of the next attempt under ``root``: one past the highest ``records/attempt-<N>``."""
+    numbers = [int(name.removeprefix("attempt-")) for name in root.child(RECORDS_DIR).entries()
+               if name.startswith("attempt-") and name.removeprefix("attempt-").isdigit()]
+    return max(numbers, default=-1) + 1
+
+
+class RecordsSync:
+    """Copies local files and directories into ``target`` now and then, and once more on :meth:`close`.
+
+    ``sources`` maps a name in ``target`` to a local file or directory (a directory's files keep their
+    relative paths below the name); ``tails`` does the same for files of which only the end is kept.
+    A copy that fails (the store is unreachable for a while) is logged and retried at the next round.
+    """
+
+    def __init__(self, target: Store, every_s: float, sources: dict[str, Path] | None = None,
+                 tails: dict[str, Path] | None = None):
+        self.target, self.every_s = target, every_s
+        self.sources, self.tails = dict(sources or {}), dict(tails or {})
+        self._copied: dict[str, tuple[int, int]] = {}  # name -> (size, mtime_ns) of the copy in the store
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def start(self) -> RecordsSync:
+        """Copy in a background thread every ``every_s`` seconds (none when 0)."""
+        if self.every_s > 0:
+            self._thread = threading.Thread(target=self._loop, name="records-sync", daemon=True)
+            self._thread.start()
+        return self
+
+    def _loop(self) -> None:
+        while not self._stop.wait(self.every_s):
+            self.sync()
+
+    def _files(self) -> dict[str, tuple[Path, bool]]:
+        """Every file to copy: name in the target -> (local path, whether only its tail is kept)."""
+        files = {}
+        for tail, entries in ((True, self.tails), (False, self.sources)):
+            for name, path in entries.items():
+                if path.is_file():
+                    files[name] = (path, tail)
+                elif path.is_dir():
+                    files.update({f"{name}/{p.relative_to(path).as_posix()}": (p, tail)
+                                  for p in sorted(path.rglob("*")) if p.is_file()})
+        return files
+
+    def sync(self) -> None:
+        """Copy every file that changed since its last copy; log (never raise) what could not be copied."""
+        with self._lock:
+            for name, (path, tail) in self._files().items():
+                try:
+                    stat = path.stat()
+                    if self._copied.get(name) == (stat.st_size, stat.st_mtime_ns):
+                        continue
+                    data = path.read_bytes()
+                    self.target.write_bytes(name, data[-TAIL_BYTES:] if tail else data)
+                    self._copied[name] = (stat.st_size, stat.st_mtime_ns)
+                except Exception as exc:  # the store's own errors (auth, network) come in its own classes
+                    log.warning("copying the run record %s to %s failed (%s); retrying at the next round",
+                                path, self.target, exc)
+
+    def close(self) -> None:
+        """Stop the thread and copy once more: what the run wrote last is in the store."""
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join()
+            self._thread = None
+        self.sync()
