@@ -28,7 +28,8 @@ from bench.tables import markdown_table  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 ERROR_CHARS = 400  # of a failed benchmark's error line in latest.md (latest.json has all of it)
-BENCHMARKS = ("loader", "checkpoint", "sharded", "step", "startup", "end_to_end", "preemption")
+BENCHMARKS = ("loader", "checkpoint", "sharded", "object_store", "step", "startup", "end_to_end",
+              "preemption")
 # The targets, for benchmarks whose JSON states none: (benchmark, ratio) -> target, and (benchmark,
 # None) -> the target of every ratio of that benchmark.
 TARGETS = {("checkpoint", "async_blocking_over_copy"): "<= 0.1", ("step", None): "<= 1.05",
@@ -37,6 +38,7 @@ TINY_ARGS = {  # seconds-long sizes for a smoke run; scripts without such option
     "loader": ["--images", "200", "--size", "16", "--naive-samples", "64", "--rounds", "1"],
     "end_to_end": ["--tiny"],
     "sharded": ["--params", "1.7M", "--width", "512", "--repeats", "2", "--steps", "2"],  # ~20 MB of state
+    "object_store": ["--params", "1.7M", "--width", "512", "--repeats", "2"],
     "preemption": ["--steps", "20", "--rounds", "1"],
 }
 

@@ -136,3 +136,20 @@ def test_merge_keeps_the_benchmarks_not_run_with_their_run(tmp_path):
     table = run.markdown(run.machine_info(), results, "python bench/run.py --only sharded --merge")
     assert "From an earlier run: `python bench/run.py` on then, git abc1234" in table
     assert run.merged(tmp_path / "absent.json", fresh) == fresh
+
+
+def test_object_store_bench_saves_into_a_local_s3_server_and_compares(tmp_path):
+    results = tmp_path / "results"
+    done = subprocess.run([sys.executable, "bench/run.py", "--only", "object_store", "--tiny",
+                           "--results", str(results), "--scratch", str(tmp_path / "scratch")],
+                          cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    bench = json.loads((results / "latest.json").read_text())["benchmarks"][0]
+    assert bench["benchmark"] == "object_store" and "error" not in bench, bench
+    rows = {row["case"]: row for row in bench["results"]}
+    dcp = rows["dcp into the store (ours)"]
+    plain = rows["multipart upload of the shards' bytes (s3fs pipe_file)"]
+    assert dcp["bytes_mb"] >= plain["bytes_mb"] > 1  # the checkpoint holds the shards and a little more
+    assert rows["async into the store (ours)"]["blocks_s"] > 0
+    assert set(bench["ratios"]) == {"dcp bytes/s over multipart bytes/s",
+                                    "async blocking over one in-memory copy"}

@@ -222,9 +222,12 @@ class Store:
     def abort_uploads(self, select: Callable[[str], bool] = lambda name: True) -> list[str]:
         """Abort the unfinished uploads below this location whose names ``select`` picks (their parts are
         kept, and billed, by the store until then); the names."""
+        uploads = self.unfinished_uploads()
+        if not uploads:
+            return []
         bucket = self._base.partition("/")[0]
         aborted = []
-        for name, upload_id in self.unfinished_uploads().items():
+        for name, upload_id in uploads.items():
             if select(name):
                 self.fs.abort_mpu(bucket, self._key(name), upload_id)
                 aborted.append(name)
