@@ -7,6 +7,7 @@ rendezvous timeout).
 
 from __future__ import annotations
 
+import re
 import shlex
 import sys
 from dataclasses import replace
@@ -108,6 +109,27 @@ def check_topology(topology: Topology, local_run: bool) -> None:
                                f"{topology.gpus_per_node}: run one process per GPU")
 
 
+SECRET_NAME = re.compile(r"^[a-z0-9]([-a-z0-9.]{0,251}[a-z0-9])?$")  # a Kubernetes secret's name
+
+
+def check_store_secret(topology: Topology, checkpoint_uri: str) -> None:
+    """``store_secret`` names a Kubernetes secret, for an s3:// root (given, or the cluster's raw output
+    prefix), on the backends whose pods mount Flyte secrets."""
+    secret = topology.store_secret
+    if not secret:
+        return
+    if not SECRET_NAME.match(secret):
+        raise LaunchInputError(f"input store_secret={secret!r} is not a Kubernetes secret name: use "
+                               "lower-case letters, digits, '-' and '.', e.g. 'checkpoint-store'")
+    if topology.backend == SLURM_BACKEND:
+        raise LaunchInputError("input store_secret is for backend 'local' or 'kubernetes': on Slurm the "
+                               "connector forwards its own FLYTE_AWS_* / AWS_* settings to the job; leave "
+                               "store_secret empty")
+    if checkpoint_uri and not checkpoint_uri.startswith("s3://"):
+        raise LaunchInputError(f"input store_secret={secret!r} holds s3:// credentials, but checkpoint_uri="
+                               f"{checkpoint_uri!r} is not on s3://: leave store_secret empty")
+
+
 def check_model(cfg: Config) -> None:
     """The model must take the images staging will produce (data.channels x data.image_size squared) in
     batches of loader.batch_size: vit_b_16 on 12 px data fails here, not after staging."""
@@ -203,7 +225,8 @@ class RunPlan(NamedTuple):
 def plan_run(source: str, preset: str, config_overrides: str, epochs: int, max_steps: int, backend: str,
              nnodes: int, nproc_per_node: int, gpus_per_node: int, accelerator: str, max_restarts: int,
              parallelism: str, checkpoint_uri: str, slurm_target: str, slurm_partition: str,
-             slurm_account: str, slurm_time_limit: str, slurm_sbatch_flags: str, slurm_setup: str) -> RunPlan:
+             slurm_account: str, slurm_time_limit: str, slurm_sbatch_flags: str, slurm_setup: str,
+             store_secret: str = "") -> RunPlan:
     """Validate the launch inputs and resolve them into the run's Config and Topology; fingerprint the
     source (uncached: every run sees the source as it is now)."""
     slurm = SlurmSettings(target=slurm_target, partition=slurm_partition, account=slurm_account,
@@ -212,9 +235,10 @@ def plan_run(source: str, preset: str, config_overrides: str, epochs: int, max_s
     check_source(cfg.data.source)
     topology = Topology(backend=backend, nnodes=nnodes, nproc_per_node=nproc_per_node,
                         gpus_per_node=gpus_per_node, accelerator=accelerator, max_restarts=max_restarts,
-                        rdzv_timeout_s=cfg.dist.init_timeout_s, slurm=slurm)
+                        rdzv_timeout_s=cfg.dist.init_timeout_s, slurm=slurm, store_secret=store_secret)
     local_run = FlyteContextManager.current_context().execution_state.is_local_execution()
     check_topology(topology, local_run)
+    check_store_secret(topology, checkpoint_uri)
     check_backend(cfg, topology, local_run)
     check_model(cfg)
     check_checkpoint_uri(checkpoint_uri, local_run)  # it may create the directory

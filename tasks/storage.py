@@ -45,10 +45,34 @@ def source_storage_options(source: str) -> dict:
     return storage_options(location) if kind == "imagefolder" else {}
 
 
-def checkpoint_store(root: str) -> Store:
+STORE_SECRET_KEYS = ("aws_access_key_id", "aws_secret_access_key")
+"""The keys of the Flyte secret named by the workflow input ``store_secret``: an s3:// store's credentials."""
+
+
+def store_secret_options(group: str) -> dict:
+    """s3fs's ``key`` and ``secret`` from the Flyte secret ``group`` mounted as files (read here, passed to
+    fsspec, never put in the environment, a spec or a log); none without a group."""
+    if not group:
+        return {}
+    values = []
+    for key in STORE_SECRET_KEYS:
+        path = Path(flytekit.current_context().secrets.get_secrets_file(group, key))
+        if not path.is_file():
+            raise ValueError(f"input store_secret={group!r}: its key {key!r} is not mounted at {path}: "
+                             f"create the secret {group!r} with the keys {' and '.join(STORE_SECRET_KEYS)} "
+                             "where the execution runs (docs/backends.md), or leave store_secret empty to "
+                             "use the pods' FLYTE_AWS_* settings")
+        values.append(path.read_text().strip())
+    return dict(zip(("key", "secret"), values, strict=True))
+
+
+def checkpoint_store(root: str, secret_group: str = "") -> Store:
     """The checkpoint root as traincore reads and writes it: a local directory, or the object-store prefix
-    every rank writes its own files into, with the store's credentials (never in a spec or a log)."""
-    return Store(local_path(root) if not is_uri(root) else root, storage_options(root))
+    every rank writes its own files into, with the store's credentials (Flyte's settings, or the mounted
+    ``secret_group``; never in a spec or a log)."""
+    if not is_uri(root):
+        return Store(local_path(root))
+    return Store(root, {**storage_options(root), **store_secret_options(secret_group)})
 
 
 def local_directory(directory: FlyteDirectory) -> Path:
@@ -91,12 +115,12 @@ def default_checkpoint_root() -> str:
     return f"{ctx.raw_output_prefix.rstrip('/')}/checkpoints/{key}"
 
 
-def resume_note(checkpoint_root: str) -> str:
+def resume_note(checkpoint_root: str, secret_group: str = "") -> str:
     """The step a retry resumes from, read from the checkpoint root (local or in an object store)."""
     if not checkpoint_root:
         return "a retry resumes from the latest complete checkpoint in the checkpoint root"
     try:
-        steps = complete_steps(checkpoint_store(checkpoint_root))
+        steps = complete_steps(checkpoint_store(checkpoint_root, secret_group))
     except Exception:  # an unreachable store must not hide the failure being reported
         return f"a retry resumes from the latest complete checkpoint in {checkpoint_root}"
     if not steps:

@@ -36,7 +36,7 @@ from torch.distributed.elastic.rendezvous.api import RendezvousError
 
 from tasks.failures import STDERR_DIR_ENV, captured_stderr, first_failure, vanished_workers
 from tasks.rendezvous import rendezvous_failure
-from tasks.storage import checkpoint_store, is_uri, local_directory, resume_note
+from tasks.storage import STORE_SECRET_KEYS, checkpoint_store, is_uri, local_directory, resume_note
 from tasks.types import StagedDataset, Topology, TrainResult
 from traincore.config import Config
 from traincore.launch import settle_worker, worker_threads
@@ -47,6 +47,8 @@ from traincore.telemetry.startup import process_start_time
 from traincore.telemetry.summary import format_summary
 from traincore.train import Trainer
 
+STORE_SECRET_ENV = "TRAIN_STORE_SECRET"
+"""Set by the train task for its workers: the Flyte secret group with the object store's credentials."""
 RECORDS_ATTEMPT_ENV = "TRAIN_RECORDS_ATTEMPT"
 """Set by the train task for its workers: the attempt number their records go under, so that the workers'
 records and this node's stderr tails (tasks copies them) land in one ``records/attempt-<N>/``."""
@@ -62,8 +64,9 @@ def train_model(config: Config, dataset: StagedDataset, checkpoint_root: str) ->
         settle_worker(worker_threads(int(os.environ["LOCAL_WORLD_SIZE"])))
     try:
         with captured_stderr(int(os.environ.get("RANK", "0"))):
-            summary = Trainer(config, local_directory(dataset.directory), output,
-                              checkpoint_store(checkpoint_root), started_at=process_start_time(),
+            store = checkpoint_store(checkpoint_root, os.environ.get(STORE_SECRET_ENV, ""))
+            summary = Trainer(config, local_directory(dataset.directory), output, store,
+                              started_at=process_start_time(),
                               attempt=records_attempt()).train()
     except dist.DistError as exc:  # a peer vanished or the store timed out: infrastructure, worth a retry
         raise FlyteRecoverableException(f"distributed training failed transiently: {exc}") from exc
@@ -88,7 +91,7 @@ def records_attempt() -> int | None:
     return None
 
 
-def stop_preempted(preempted: Preempted | str, checkpoint_root: str) -> NoReturn:
+def stop_preempted(preempted: Preempted | str, checkpoint_root: str, secret_group: str = "") -> NoReturn:
     """End a preempted attempt (``preempted``: the record of the step saved, or a signal's name when the
     workers were stopped before they trained a step): a recoverable error, which Flyte retries from the
     saved step; in a local ``pyflyte run`` (a Ctrl-C, say), a few lines and exit code 75 instead of a
@@ -98,7 +101,7 @@ def stop_preempted(preempted: Preempted | str, checkpoint_root: str) -> NoReturn
     else:
         headline = (f"stopped by {preempted} before this attempt committed a checkpoint of the step it "
                     "reached (it was starting, or its save outlasted checkpoint.preemption_grace_s)")
-        message = f"{headline}; {resume_note(checkpoint_root)}"
+        message = f"{headline}; {resume_note(checkpoint_root, secret_group)}"
     if not FlyteContextManager.current_context().execution_state.is_local_execution():
         raise FlyteRecoverableException(message) from None
     advice = f"to resume, run the same pyflyte command with --checkpoint_uri {checkpoint_root}"
@@ -141,6 +144,12 @@ def train_function(topology: Topology, wandb_secret: bool) -> Callable[..., Trai
     return train
 
 
+def store_secrets(topology: Topology) -> list[Secret]:
+    """The object store's credentials the train pods mount as files: the Flyte secret ``store_secret``."""
+    return [Secret(group=topology.store_secret, key=key, mount_requirement=Secret.MountType.FILE)
+            for key in STORE_SECRET_KEYS] if topology.store_secret else []
+
+
 def task_settings(topology: Topology, wandb_secret: bool) -> dict[str, Any]:
     """What a train task's template carries besides its plugin's part, alike on every backend: retries,
     resources, GPUs, /dev/shm, the W&B secret and the environment."""
@@ -150,7 +159,7 @@ def task_settings(topology: Topology, wandb_secret: bool) -> dict[str, Any]:
                            mem=f"{MEM_GIB_PER_PROCESS * topology.nproc_per_node}Gi",
                            gpu=str(topology.gpus_per_node) if topology.gpus_per_node else None),
         accelerator=GPUAccelerator(topology.accelerator) if topology.accelerator else None,
-        secret_requests=[WANDB_SECRET] if wandb_secret else None,
+        secret_requests=[*([WANDB_SECRET] if wandb_secret else []), *store_secrets(topology)] or None,
         environment=restart_environment(topology))
 
 
@@ -195,7 +204,8 @@ class ElasticTrainTask(TopologyTaskMixin, PytorchElasticFunctionTask):
         """Validate before any worker starts (the checkpoint root too: an object store is probed)."""
         _use_wandb_secret(kwargs["config"])  # before validation checks the key; workers inherit the env
         root = kwargs["checkpoint_root"]
-        store = checkpoint_store(root)
+        os.environ[STORE_SECRET_ENV] = self.topology.store_secret  # for the workers, which inherit it
+        store = checkpoint_store(root, self.topology.store_secret)
         preflight(kwargs["config"], local_directory(kwargs["dataset"].directory),
                   Path(flytekit.current_context().working_directory) / "run", store)
         try:
@@ -208,7 +218,7 @@ class ElasticTrainTask(TopologyTaskMixin, PytorchElasticFunctionTask):
             preempted = read_record(store) or agent_signal(exc)
             if preempted is None:
                 raise
-            stop_preempted(preempted, root)
+            stop_preempted(preempted, root, self.topology.store_secret)
 
     def _train(self, **kwargs):
         """Train in this process (one process, nothing to launch) or in the plugin's elastic workers."""
@@ -219,7 +229,7 @@ class ElasticTrainTask(TopologyTaskMixin, PytorchElasticFunctionTask):
         stderr_dir = tempfile.mkdtemp(prefix="worker-stderr-",
                                       dir=flytekit.current_context().working_directory)
         os.environ[STDERR_DIR_ENV] = stderr_dir  # the workers inherit it (forked or spawned)
-        store = checkpoint_store(kwargs["checkpoint_root"])
+        store = checkpoint_store(kwargs["checkpoint_root"], self.topology.store_secret)
         attempt = records_attempt()
         attempt = attempt if attempt is not None else next_attempt(store)
         os.environ[RECORDS_ATTEMPT_ENV] = str(attempt)  # the workers' records go to the same attempt
@@ -322,6 +332,8 @@ def function_name(topology: Topology, wandb_secret: bool) -> str:
         parts.append(f"rdzv{topology.rdzv_timeout_s}s")
     if topology.slurm != default.slurm:  # free text (set-up lines, flags): a digest keeps the name short
         parts.append(_digest(json.dumps(asdict(topology.slurm), sort_keys=True)))
+    if topology.store_secret:
+        parts.append(f"store-{_digest(topology.store_secret)}")
     if wandb_secret:
         parts.append("wandb")
     return f"train-{'-'.join(parts)}"

@@ -47,6 +47,7 @@ class Topology:
     max_restarts: int = 0  # torch-elastic restarts of the worker group inside one Flyte attempt
     rdzv_timeout_s: int = 900  # generous: pods may wait for a node scale-up or an image pull
     slurm: SlurmSettings = field(default_factory=SlurmSettings)
+    store_secret: str = ""  # Flyte secret group with the object store's credentials, mounted as files
 
     @classmethod
     def from_dict(cls, data: dict) -> Topology:

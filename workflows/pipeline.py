@@ -61,6 +61,7 @@ def training_pipeline(
     slurm_time_limit: str = "",
     slurm_sbatch_flags: str = "",
     slurm_setup: str = "",
+    store_secret: str = "",
 ) -> PipelineOutputs:
     """Train an image classifier with PyTorch (DDP or FSDP): stage the data, train, export and evaluate it.
 
@@ -93,6 +94,9 @@ def training_pipeline(
         slurm_sbatch_flags: backend 'slurm': extra sbatch flags, e.g. '--qos=high --exclusive'.
         slurm_setup: backend 'slurm': shell lines the job runs first, e.g. 'module load cuda; source
             ~/venv/bin/activate' (empty in a local run = activate this run's virtualenv).
+        store_secret: Flyte secret (a Kubernetes secret in the execution's namespace) holding the s3://
+            store's credentials, keys aws_access_key_id and aws_secret_access_key: mounted into the train
+            pods as files for their checkpoints and records (empty = the pods' FLYTE_AWS_* settings).
 
     Returns:
         model: The exported model (model.safetensors, its config JSON with its sha256, lineage.json).
@@ -105,7 +109,7 @@ def training_pipeline(
                     parallelism=parallelism, checkpoint_uri=checkpoint_uri, slurm_target=slurm_target,
                     slurm_partition=slurm_partition, slurm_account=slurm_account,
                     slurm_time_limit=slurm_time_limit, slurm_sbatch_flags=slurm_sbatch_flags,
-                    slurm_setup=slurm_setup)
+                    slurm_setup=slurm_setup, store_secret=store_secret)
     dataset = stage_dataset(data=plan.data, source_fingerprint=plan.source_fingerprint)
     trained = train_on_backend(config=plan.config, dataset=dataset, topology=plan.topology,
                                checkpoint_uri=checkpoint_uri, interruptible=interruptible)

@@ -181,3 +181,27 @@ def test_slurm_inputs_are_checked_as_given_without_contacting_the_cluster():
         plan_run(**slurm | dict(slurm_target="two words"))
     with pytest.raises(LaunchInputError, match=r"input slurm_sbatch_flags='--comment=.open' is not valid"):
         plan_run(**slurm | dict(slurm_sbatch_flags='--comment="open'))
+
+
+@pytest.mark.parametrize("changes, message", [
+    (dict(store_secret="Bad_Name"), r"input store_secret='Bad_Name' is not a Kubernetes secret name"),
+    (dict(store_secret="ckpt", backend="slurm", slurm_target="login.example"),
+     r"input store_secret is for backend 'local' or 'kubernetes'"),
+    (dict(store_secret="ckpt", checkpoint_uri="gs://bucket/run"),
+     r"checkpoint_uri='gs://bucket/run' is not on"),
+])
+def test_store_secret_is_checked_in_the_plan(changes, message):
+    with pytest.raises(LaunchInputError, match=message):
+        plan_run(**{**PLAN_DEFAULTS, **changes})
+
+
+def test_a_store_secret_reaches_the_topology_and_the_train_pods_mount_it():
+    from tasks.launch import train_task_for
+    from tasks.storage import STORE_SECRET_KEYS
+
+    plan = plan_run(**{**PLAN_DEFAULTS, "store_secret": "ckpt-store", "checkpoint_uri": "s3://bucket/run"})
+    assert plan.topology.store_secret == "ckpt-store"
+    task = train_task_for(plan.topology, plan.config)
+    mounted = [(s.group, s.key) for s in task.security_context.secrets]
+    assert mounted == [("ckpt-store", key) for key in STORE_SECRET_KEYS]
+    assert task.name != train_task_for(Topology(), plan.config).name  # another template, another task

@@ -7,6 +7,7 @@ import pickle
 import re
 
 import flytekit
+import pytest
 from flytekit.core.context_manager import ExecutionParameters, FlyteContextManager
 from flytekit.core.data_persistence import FileAccessProvider
 from flytekit.core.type_engine import TypeEngine
@@ -73,3 +74,19 @@ def test_cluster_executions_key_the_checkpoint_root_by_execution_id():
     with FlyteContextManager.with_context(ctx.with_execution_state(state)):
         roots = {storage.default_checkpoint_root() for _ in range(2)}  # what a retried attempt would compute
     assert roots == {"s3://bucket/raw/checkpoints/f3a9c1e2b4d5"}
+
+
+def test_a_mounted_store_secret_gives_the_object_store_its_credentials(tmp_path, monkeypatch):
+    from tasks.storage import STORE_SECRET_KEYS, checkpoint_store
+
+    monkeypatch.setattr(flytekit.current_context().secrets, "_base_dir", str(tmp_path))
+    with pytest.raises(ValueError, match=r"input store_secret='ckpt-store': its key 'aws_access_key_id' is "
+                                         r"not mounted at .*create the secret"):
+        checkpoint_store("s3://bucket/run", "ckpt-store")
+    (tmp_path / "ckpt-store").mkdir()
+    for key, value in zip(STORE_SECRET_KEYS, ("AKIAEXAMPLE", "s3cr3t-value"), strict=True):
+        (tmp_path / "ckpt-store" / key).write_text(value + "\n")
+    store = checkpoint_store("s3://bucket/run", "ckpt-store")
+    assert (store.options["key"], store.options["secret"]) == ("AKIAEXAMPLE", "s3cr3t-value")
+    assert "s3cr3t" not in repr(store) + str(store)
+    assert checkpoint_store(str(tmp_path / "local"), "ckpt-store").local  # a local root needs no secret
