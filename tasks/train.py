@@ -285,9 +285,10 @@ def worker_start_method(topology: Topology) -> str:
     test_pod_restarts.py), while spawned workers are the path tested there.
 
     What a fork copies is safe here. At fork time the task process runs, besides its main thread: the
-    checkpoint mirror's upload thread and fsspec's I/O thread for an object-store root (tasks.mirror; the
-    workers never use them), the c10d rendezvous' keep-alive thread and the agent's TCPStore server
-    threads (workers reach the store through sockets of their own), and torch's intra-op threads once
+    records thread that copies the workers' stderr tails into the checkpoint root and, for an object-store
+    root, fsspec's I/O thread (traincore.telemetry.records; the workers never use either), the c10d
+    rendezvous' keep-alive thread and the agent's TCPStore server threads (workers reach the store through
+    sockets of their own), and torch's intra-op threads once
     preflight's forward ran (a worker sizes its own pool: traincore.launch.settle_worker). Only the forking
     thread exists in a child, and a lock another thread held at the fork would stay locked there; the
     locks a worker takes are re-initialised after a fork: logging's handlers' (os.register_at_fork, since

@@ -162,6 +162,10 @@ def check_resume(cfg: Config, manifest: Manifest, root: Store, data_dir: str | P
         return
     directory = step_store(root, steps[-1] if wanted == "latest" else int(wanted))
     marker = read_marker(directory)  # CheckpointError naming the directory for a foreign or unknown format
+    if not root.local and marker["format"] == "torch_save":
+        # Its record sits inside the whole state (state.pt): every rank would download all of it here only
+        # to read a few fields. The checkpointer refuses a checkpoint that does not fit when it loads it.
+        return
     try:
         shared = open_saved(directory, marker).shared
         meta = shared.get("run", {})

@@ -25,6 +25,17 @@ def _runner():
     return module
 
 
+def tiny_run(tmp_path: Path, name: str) -> dict:
+    """``bench/run.py --only NAME --tiny`` into ``tmp_path/results``: the benchmark's entry of latest.json."""
+    done = subprocess.run([sys.executable, "bench/run.py", "--only", name, "--tiny", "--results",
+                           str(tmp_path / "results"), "--scratch", str(tmp_path / "scratch")],
+                          cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    bench = json.loads((tmp_path / "results" / "latest.json").read_text())["benchmarks"][0]
+    assert bench["benchmark"] == name and "error" not in bench, bench
+    return bench
+
+
 def test_runner_writes_loader_and_end_to_end_tables(tmp_path):
     results = tmp_path / "results"
     done = subprocess.run([sys.executable, "bench/run.py", "--only", "loader", "end_to_end", "--tiny",
@@ -85,12 +96,7 @@ def test_sharded_bench_shows_where_each_mode_writes(tmp_path):
     """About 20 MB of FSDP state on two ranks, through the runner: every column, naive writes everything
     from rank 0 after gathering rank 1's half, the DCP modes split the bytes, fsdp holds half of ddp."""
     results = tmp_path / "results"
-    done = subprocess.run([sys.executable, "bench/run.py", "--only", "sharded", "--tiny",
-                           "--results", str(results), "--scratch", str(tmp_path / "scratch")],
-                          cwd=ROOT, capture_output=True, text=True, timeout=600)
-    assert done.returncode == 0, done.stderr[-3000:]
-    sharded = json.loads((results / "latest.json").read_text())["benchmarks"][0]
-    assert sharded["benchmark"] == "sharded" and "error" not in sharded, sharded
+    sharded = tiny_run(tmp_path, "sharded")
     state_mb = sharded["state_bytes"] / 1e6
     assert 15 < state_mb < 30
     rows = {row["mode"]: row for row in sharded["results"]}
@@ -139,13 +145,7 @@ def test_merge_keeps_the_benchmarks_not_run_with_their_run(tmp_path):
 
 
 def test_object_store_bench_saves_into_a_local_s3_server_and_compares(tmp_path):
-    results = tmp_path / "results"
-    done = subprocess.run([sys.executable, "bench/run.py", "--only", "object_store", "--tiny",
-                           "--results", str(results), "--scratch", str(tmp_path / "scratch")],
-                          cwd=ROOT, capture_output=True, text=True, timeout=600)
-    assert done.returncode == 0, done.stderr[-3000:]
-    bench = json.loads((results / "latest.json").read_text())["benchmarks"][0]
-    assert bench["benchmark"] == "object_store" and "error" not in bench, bench
+    bench = tiny_run(tmp_path, "object_store")
     rows = {row["case"]: row for row in bench["results"]}
     dcp = rows["dcp into the store (ours)"]
     plain = rows["multipart upload of the shards' bytes (s3fs pipe_file)"]
