@@ -173,8 +173,12 @@ def test_evaluation_deck_holds_every_section_with_the_results_rows():
 
 def test_evaluation_deck_escapes_user_text():
     evaluated = result(0.8, [0.8, 0.8, 0.8], [0.8, 0.8, 0.8])
-    page = evaluation_deck_html(evaluated, [], {"path": '/x/"><img src=y onerror=alert(1)>'})
+    page = evaluation_deck_html(evaluated, [], {"path": '/x/"><img src=y onerror=alert(1)>'},
+                                's3://b/run/records/attempt-2"><b onclick=x()>')
     assert "<script>" not in page and "onerror=alert(1)>" not in page
+    records = re.search(r'<p id="records">(.*?)</p>', page)[1]  # where the records are, escaped
+    assert "s3://b/run/records/attempt-2&quot;&gt;&lt;b onclick=x()&gt;" in records and "<b " not in page
+    assert "tensorboard --logdir s3://b/run/records</code>" in records
     assert "&lt;script&gt;alert(1)&lt;/script&gt; &amp; co" in page
     assert "&quot;&gt;&lt;img src=y onerror=alert(1)&gt;" in page
     assert len(Tables(page).images) == 1  # only the confusion matrix: no records, no curves, no lineage img

@@ -41,7 +41,13 @@ def test_train_returns_rank_zeros_result_and_resumes_from_the_durable_root(train
     first, second, root = trained
     assert (first.summary.steps, first.summary.resumed_from, first.summary.world_size) == (10, None, 1)
     assert (second.summary.steps, second.summary.resumed_from) == (15, 10)
-    assert sorted(p.name for p in root.iterdir()) == ["step-000005", "step-000010", "step-000015"]
+    assert sorted(p.name for p in root.iterdir()) == ["records", "step-000005", "step-000010", "step-000015"]
+    # Each attempt's records were kept in the durable root, and the summary names them.
+    assert [second.summary.records, first.summary.records] == [str(root / "records" / f"attempt-{n}")
+                                                               for n in (1, 0)]
+    first_rows = read_metrics(root / "records" / "attempt-0" / "metrics.jsonl")
+    assert max(r["step"] for r in first_rows if r["kind"] == "train") == 10
+    assert any((root / "records" / "attempt-1" / "tensorboard").iterdir())
     logs = Path(second.logs.path)
     assert [r["step"] for r in read_metrics(logs / "metrics.jsonl") if r["kind"] == "train"][0] > 10
     assert any((logs / "tensorboard").iterdir())

@@ -209,15 +209,20 @@ class Store:
     def unfinished_uploads(self) -> dict[str, str]:
         """Multipart uploads below this location that were begun and neither completed nor aborted (a rank
         killed mid-upload leaves one, invisible to listings): name -> upload id. s3fs only; none elsewhere."""
-        if self.local or not hasattr(self.fs, "list_multipart_uploads"):
+        if self.local or not hasattr(self.fs, "call_s3"):
             return {}
         bucket, _, prefix = self._base.partition("/")
-        try:
-            uploads = self.fs.list_multipart_uploads(bucket)
-        except FileNotFoundError:  # no bucket, so no uploads either
-            return {}
-        return {upload["Key"].removeprefix(f"{prefix}/"): upload["UploadId"] for upload in uploads
-                if upload["Key"].startswith(f"{prefix}/")}
+        found, page = {}, {}
+        while True:  # S3 lists 1000 a page: follow the markers (a shared bucket may hold many)
+            try:
+                reply = self.fs.call_s3("list_multipart_uploads", Bucket=bucket, Prefix=f"{prefix}/", **page)
+            except FileNotFoundError:  # no bucket, so no uploads either
+                return {}
+            found.update({upload["Key"].removeprefix(f"{prefix}/"): upload["UploadId"]
+                          for upload in reply.get("Uploads", [])})
+            if not reply.get("IsTruncated"):
+                return found
+            page = {"KeyMarker": reply["NextKeyMarker"], "UploadIdMarker": reply["NextUploadIdMarker"]}
 
     def abort_uploads(self, select: Callable[[str], bool] = lambda name: True) -> list[str]:
         """Abort the unfinished uploads below this location whose names ``select`` picks (their parts are
