@@ -39,9 +39,7 @@ def is_uri(location: str | Path) -> bool:
 class Store:
     """One location for checkpoint files, local or in an object store, addressed by names below it."""
 
-    def __init__(self, location: str | Path | Store, storage_options: dict | None = None):
-        if isinstance(location, Store):
-            storage_options, location = location.options, location.uri
+    def __init__(self, location: str | Path, storage_options: dict | None = None):
         self.options = dict(storage_options or {})
         text = str(location)
         self.local = not is_uri(text)
