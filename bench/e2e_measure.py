@@ -17,7 +17,7 @@ import numpy as np
 TIMING = "timing.json"  # written by bench/naive_loop.py
 SAMPLE_EVERY_S = 0.2
 STALL = re.compile(r"checkpoint step=\d+ mode=\S+ blocking=([0-9.]+)s")
-LOGDIR = re.compile(r"TensorBoard: tensorboard --logdir (\S+)")
+RECORDS = re.compile(r"; records in (\S+); TensorBoard:")  # the train line names its attempt's records
 
 
 @dataclass
@@ -154,9 +154,9 @@ def our_figures(metrics_path: Path, run: Run, global_batch: int) -> dict:
 
 
 def pyflyte_metrics(run: Run) -> Path:
-    """The train task's metrics.jsonl: next to the TensorBoard directory rank 0 prints."""
-    found = LOGDIR.findall(run.output)
+    """The train task's metrics.jsonl: in the attempt's records, which its summary line names."""
+    found = RECORDS.findall(run.output)
     if not found:
-        raise RuntimeError("pyflyte run printed no 'TensorBoard: tensorboard --logdir ...' line: cannot find "
-                           "its metrics.jsonl")
-    return Path(found[-1]).parent / "metrics.jsonl"
+        raise RuntimeError("pyflyte run printed no 'records in ...' in its train line: cannot find its "
+                           "metrics.jsonl")
+    return Path(found[-1]) / "metrics.jsonl"

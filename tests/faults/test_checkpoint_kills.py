@@ -48,6 +48,7 @@ from faultlib import TinyRun
 
 from traincore.checkpoint import checkpointer as checkpoint
 from traincore.checkpoint import layout as checkpoint_files
+from traincore.checkpoint import store as checkpoint_store
 from traincore.checkpoint import writer as checkpoint_writer
 from traincore.checkpoint.checkpointer import Checkpointer
 from traincore.checkpoint.layout import MARKER, complete_steps, step_dir
@@ -129,7 +130,7 @@ def arm(point):
         write_marker = checkpoint.write_marker
 
         def killing_write_marker(directory, *rest):
-            if Path(directory) == TARGET:
+            if Path(str(directory)) == TARGET:  # a Store, whose str() is its path
                 die(directory)
             return write_marker(directory, *rest)
         checkpoint.write_marker = killing_write_marker
@@ -142,7 +143,7 @@ def arm(point):
             publish(tmp, path)
         checkpoint_files.publish = killing_marker_publish
     elif point in ("prune-start", "prune-mid"):  # the step committed, pruning begun / a marker removed
-        prune, fsync = checkpoint.prune, checkpoint_files.fsync_path
+        prune, fsync = checkpoint.prune, checkpoint_store.fsync_path
         pruning = []
 
         def killing_prune(root, keep_last):
@@ -157,7 +158,7 @@ def arm(point):
             if pruning and Path(path).parent == args.root and not (Path(path) / MARKER).exists():
                 die(path)
             fsync(path)
-        checkpoint.prune, checkpoint_files.fsync_path = killing_prune, killing_fsync
+        checkpoint.prune, checkpoint_store.fsync_path = killing_prune, killing_fsync
     else:
         raise SystemExit(f"unknown kill point {point!r}")
 
