@@ -80,9 +80,12 @@ def test_rollback_points_latest_at_an_earlier_version(models, tmp_path, capsys):
     assert main(["list", str(tmp_path)]) == 0
     listing = capsys.readouterr().out.splitlines()
     assert listing[0] == f"{tmp_path}: 2 version(s), latest {versions[0]} (*)"
-    assert listing[1].startswith(f"* {versions[0]}  test accuracy 0.7000 (10 samples)  step 2  source "
-                                 "synthetic")
-    assert listing[2].startswith(f"  {versions[1]}  test accuracy 0.8000")
+    # Listed by name; two versions published in the same second order by their random suffixes.
+    lines = sorted(listing[1:], key=lambda line: line[2:])
+    assert [line[2:].split()[0] for line in lines] == sorted(versions)
+    first, second = (next(line for line in lines if line[2:].startswith(version)) for version in versions)
+    assert first.startswith(f"* {versions[0]}  test accuracy 0.7000 (10 samples)  step 2  source synthetic")
+    assert second.startswith(f"  {versions[1]}  test accuracy 0.8000")
     assert main(["show", str(tmp_path), versions[1]]) == 0
     assert Lineage.from_json(capsys.readouterr().out) == lineage_of(models[1])
 
@@ -246,7 +249,7 @@ def test_an_object_store_registry_counts_a_version_once_its_lineage_is_there(mod
     load_exported(champion.directory / WEIGHTS_FILE)  # downloaded whole: its sha256 checks
     second = registry.publish(models[1], lineage_of(models[1]))
     registry.set_latest(first)  # the rollback
-    assert registry.versions() == [first, second] and registry.latest() == first
+    assert registry.versions() == sorted([first, second]) and registry.latest() == first
 
 
 S3_CHILD = '''
