@@ -166,7 +166,7 @@ class Store:
     def write_bytes(self, name: str, data: bytes | memoryview) -> dict:
         """Publish ``data`` as the file ``name`` whole or not at all; returns its size and CRC32."""
         if self.local:
-            self.path.mkdir(parents=True, exist_ok=True)
+            (self.path / name).parent.mkdir(parents=True, exist_ok=True)
             write_atomically(self.path / name, bytes(data))
         else:
             self.fs.pipe_file(self._key(name), bytes(data))
