@@ -219,6 +219,8 @@ class ElasticTrainTask(TopologyTaskMixin, PytorchElasticFunctionTask):
             if preempted is None:
                 raise
             stop_preempted(preempted, root, self.topology.store_secret)
+        finally:
+            os.environ.pop(STORE_SECRET_ENV, None)
 
     def _train(self, **kwargs):
         """Train in this process (one process, nothing to launch) or in the plugin's elastic workers."""

@@ -378,7 +378,7 @@ class Checkpointer:
                         "directory; never deleted): move it out of %s to silence this warning", entry,
                         self.root)
         complete = complete_steps(self.root)
-        for torn in torn_steps(self.root):
+        for torn in torn_steps(self.root, complete):
             if not complete or torn > complete[-1]:
                 log.warning("skipping %s: its save never committed (no %s; the process was stopped while "
                             "writing it); resuming from the latest committed step instead", step_store(

@@ -169,13 +169,14 @@ def is_torn(directory: str | Path | Store) -> bool:
                                          for name, kind in entries.items())
 
 
-def torn_steps(root: str | Path | Store) -> list[int]:
+def torn_steps(root: str | Path | Store, complete: list[int]) -> list[int]:
     """Steps under ``root`` whose save began but never committed: no marker, only files a save writes, or
-    (in an object store) only uploads that never completed."""
+    (in an object store) only uploads that never completed. ``complete``: :func:`complete_steps` of the
+    root, which the caller has (in an object store, each listing is a round trip)."""
     store = as_store(root)
-    torn = {step for step, location in step_dirs(store).items() if is_torn(location)}
+    torn = {step for step, location in step_dirs(store).items()
+            if step not in complete and is_torn(location)}
     uploading = {parse_step_name(name.split("/")[0]) for name in store.unfinished_uploads()}
-    complete = complete_steps(store)
     return sorted(torn | {step for step in uploading if step is not None and step not in complete})
 
 

@@ -272,3 +272,23 @@ def test_a_signal_commits_the_agreed_step_in_the_store_within_the_grace_or_names
         assert read_record(root) is None
     for step in complete_steps(root):
         verify_checkpoint(step_store(root, step))
+
+
+def test_a_load_fetches_in_bounded_batches_and_restores_bitwise(s3_server, monkeypatch):
+    from traincore.checkpoint import dcp as checkpoint_dcp
+
+    root = fresh_root(s3_server, "batches")
+    state = save_steps(root, "dcp", [3])
+    fetched = []
+    read_ranges = Store.read_ranges
+
+    def counting(self, ranges):
+        fetched.append((len(ranges), sum(length for _, _, length in ranges)))
+        return read_ranges(self, ranges)
+    monkeypatch.setattr(checkpoint_dcp, "READ_BATCH_BYTES", 4096)
+    monkeypatch.setattr(Store, "read_ranges", counting)
+    resumed = make_state(seed=1)
+    assert load(root, resumed, mode="dcp") == 3
+    assert_same(snapshot(state), snapshot(resumed))
+    # Many fetches, each within the bound unless it is one item that alone is larger.
+    assert len(fetched) > 2 and all(size <= 4096 or count == 1 for count, size in fetched), fetched
