@@ -46,8 +46,9 @@ from torch import nn
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a script from a source checkout
 
 from bench.tables import scratch_directory  # noqa: E402
-from traincore.checkpoint.checkpointer import Checkpointer  # noqa: E402
-from traincore.checkpoint.layout import file_checksum, tmp_path  # noqa: E402
+from traincore.checkpoint import Checkpointer  # noqa: E402
+from traincore.checkpoint.commit import file_checksum  # noqa: E402
+from traincore.checkpoint.layout import tmp_path  # noqa: E402
 from traincore.checkpoint.writer import ChecksumWriter, save_file  # noqa: E402
 from traincore.config import CheckpointConfig  # noqa: E402
 from traincore.files import publish  # noqa: E402

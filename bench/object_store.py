@@ -40,8 +40,7 @@ from bench.checkpoint import parse_count  # noqa: E402
 from bench.s3_server import local_s3  # noqa: E402
 from bench.sharded import Run, run_ranks, steady  # noqa: E402
 from bench.tables import markdown_table  # noqa: E402
-from traincore.checkpoint.checkpointer import Checkpointer  # noqa: E402
-from traincore.checkpoint.store import Store  # noqa: E402
+from traincore.checkpoint import Checkpointer, Store  # noqa: E402
 from traincore.config import CheckpointConfig  # noqa: E402
 
 TARGETS = {"dcp bytes/s over multipart bytes/s": ">= 0.7", "async blocking over one in-memory copy": "<= 0.1"}
@@ -102,7 +101,7 @@ def store_phase(rank: int, opts: dict) -> dict:
 
 
 def _marker_files(root: Store) -> dict:
-    from traincore.checkpoint.layout import complete_steps, read_marker, step_store
+    from traincore.checkpoint import complete_steps, read_marker, step_store
 
     return read_marker(step_store(root, complete_steps(root)[-1]))["files"]
 

@@ -40,8 +40,7 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a script from a source checkout
 
 from bench.s3_server import S3Server, local_s3  # noqa: E402
-from traincore.checkpoint.layout import complete_steps  # noqa: E402
-from traincore.checkpoint.store import Store  # noqa: E402
+from traincore.checkpoint import Store, complete_steps  # noqa: E402
 from traincore.config import CheckpointConfig, DataConfig, ModelConfig  # noqa: E402
 from traincore.data.staging import stage  # noqa: E402
 from traincore.models import build_model  # noqa: E402

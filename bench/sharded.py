@@ -74,7 +74,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a script 
 
 from bench.checkpoint import CountingLoader, parse_count  # noqa: E402
 from bench.tables import markdown_table, scratch_directory  # noqa: E402
-from traincore.checkpoint.checkpointer import Checkpointer  # noqa: E402
+from traincore.checkpoint import Checkpointer  # noqa: E402
 from traincore.checkpoint.dcp import WRITER_THREADS  # noqa: E402  (torch's rows write with as many threads)
 from traincore.checkpoint.format import split_tensors  # noqa: E402
 from traincore.config import CheckpointConfig, DistConfig  # noqa: E402

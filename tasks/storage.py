@@ -14,8 +14,7 @@ from flytekit.core.context_manager import FlyteContextManager
 from flytekit.core.data_persistence import get_fsspec_storage_options
 from flytekit.types.directory import FlyteDirectory
 
-from traincore.checkpoint.layout import complete_steps
-from traincore.checkpoint.store import Store, is_uri
+from traincore.checkpoint import Store, complete_steps, is_uri
 from traincore.config import parse_source
 
 NODE_CACHE = Path(tempfile.gettempdir()) / "flyte-torch-pipeline"

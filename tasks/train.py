@@ -39,6 +39,7 @@ from tasks.rendezvous import rendezvous_failure
 from tasks.storage import STORE_SECRET_KEYS, checkpoint_store, is_uri, local_directory, resume_note
 from tasks.types import StagedDataset, Topology, TrainResult
 from traincore.config import Config
+from traincore.data.manifest import Manifest
 from traincore.launch import settle_worker, worker_threads
 from traincore.preemption import PREEMPTED_EXIT_CODE, Preempted, read_record
 from traincore.preflight import preflight
@@ -65,9 +66,11 @@ def train_model(config: Config, dataset: StagedDataset, checkpoint_root: str) ->
     try:
         with captured_stderr(int(os.environ.get("RANK", "0"))):
             store = checkpoint_store(checkpoint_root, os.environ.get(STORE_SECRET_ENV, ""))
-            summary = Trainer(config, local_directory(dataset.directory), output, store,
-                              started_at=process_start_time(),
-                              attempt=records_attempt()).train()
+            data = local_directory(dataset.directory)
+            # The task's execute ran preflight once for this node's workers (the resume check reads the
+            # store, and verifies the checkpoint it would load): they take the manifest it checked.
+            summary = Trainer(config, data, output, store, started_at=process_start_time(),
+                              manifest=Manifest.load(data), attempt=records_attempt()).train()
     except dist.DistError as exc:  # a peer vanished or the store timed out: infrastructure, worth a retry
         raise FlyteRecoverableException(f"distributed training failed transiently: {exc}") from exc
     except Preempted as exc:  # the step reached is saved: a retry resumes from it, losing nothing

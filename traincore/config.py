@@ -109,6 +109,8 @@ def _one_of(name: str, value: Any, choices: tuple[str, ...]) -> None:
 
 SOURCE_KINDS = ("digits", "synthetic", "imagefolder")
 MODEL_NAMES = ("small_cnn", "resnet18", "resnet34", "resnet50", "vit_b_16", "vit_tiny", "mlp")
+OWN_MODELS = ("small_cnn", "mlp")
+"""The models traincore.models defines itself (they take model.width); the others come from torchvision."""
 CHECKPOINT_MODES = ("sync", "dcp", "async")
 WANDB_MODES = ("disabled", "offline", "online")
 DIST_BACKENDS = ("auto", "gloo", "nccl", "cpu:gloo,cuda:nccl")
@@ -217,6 +219,15 @@ class ModelConfig:
         _ints(self, "model", width=1)
         _check(isinstance(self.dropout, (int, float)) and 0.0 <= self.dropout < 1.0, "model.dropout",
                self.dropout, "must be in [0, 1)")
+
+
+def model_identity(model: dict[str, Any]) -> dict[str, Any]:
+    """The fields of a model config (as ``to_dict`` writes it) that decide the model's tensors: its name,
+    and its width for the models that take one. Two runs with equal identities build the same tensors."""
+    identity = {"name": model.get("name")}
+    if model.get("name") in OWN_MODELS:
+        identity["width"] = model.get("width")
+    return identity
 
 
 @dataclass

@@ -30,12 +30,12 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 from torch import nn
 
-from traincore.checkpoint.format import read_checkpoint
-from traincore.checkpoint.layout import (
+from traincore.checkpoint import (
     MARKER,
     CheckpointError,
     latest_complete,
     parse_step_name,
+    read_checkpoint,
     read_marker,
     verify_checkpoint,
 )

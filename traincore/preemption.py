@@ -35,7 +35,7 @@ from typing import NamedTuple
 import torch
 import torch.distributed as dist
 
-from traincore.checkpoint.store import Store, as_store
+from traincore.checkpoint import Store, as_store
 
 PREEMPTED_EXIT_CODE = 75
 """Exit code of a preempted run (EX_TEMPFAIL, "try again"): the same command resumes it."""

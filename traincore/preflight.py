@@ -8,17 +8,23 @@ has begun (in a worker, after the launcher's start-up).
 from __future__ import annotations
 
 import os
-import pickle
 import tempfile
 import uuid
 from pathlib import Path
 
 import torch
 
-from traincore.checkpoint.format import open_saved
-from traincore.checkpoint.layout import CheckpointError, complete_steps, read_marker, step_store
-from traincore.checkpoint.store import Store, as_store
-from traincore.config import Config, ModelConfig
+from traincore.checkpoint import (
+    RunFit,
+    Store,
+    as_store,
+    check_fit,
+    choose_step,
+    open_saved,
+    read_marker,
+    step_store,
+)
+from traincore.config import OWN_MODELS, Config, ModelConfig, model_identity
 from traincore.data.manifest import Manifest, verify_staging
 from traincore.dist import resolve_backend
 from traincore.models import build_model
@@ -106,10 +112,6 @@ def ensure_writable_store(store: Store) -> None:
                           "location") from exc
 
 
-OWN_MODELS = ("small_cnn", "mlp")
-"""The models traincore.models defines itself (they take model.width); the others come from torchvision."""
-
-
 def check_model_input(model: ModelConfig, num_classes: int, shape: tuple[int, ...] | list[int], data: str,
                       batch_size: int = 2) -> None:
     """ValueError unless ``model`` builds for ``shape`` (C, H, W) samples, trains on batches of
@@ -138,58 +140,24 @@ def check_model_input(model: ModelConfig, num_classes: int, shape: tuple[int, ..
                          f"{tuple(logits.shape)[1:]}, not ({num_classes},): choose another model.name")
 
 
-def _classes(classes: list[str]) -> str:
-    shown = ", ".join(map(str, classes[:5])) + (", ..." if len(classes) > 5 else "")
-    return f"{len(classes)} classes ({shown})"
-
-
 def check_resume(cfg: Config, manifest: Manifest, root: Store, data_dir: str | Path) -> None:
-    """Refuse, before training, a resume the checkpointer would refuse once the workers run: a step that has
-    no complete checkpoint, a checkpoint in a format this code cannot read, or one of another model or of
-    data with other classes, another sample shape or another number of training samples (the loader's
-    position in the epoch would not carry over). A checkpoint whose files cannot be read is left to
-    the checkpointer, which verifies it and falls back to the previous complete one."""
+    """Refuse, before training, a resume the checkpointer would refuse once the workers run: it picks the
+    step as the checkpointer does (traincore.checkpoint.choose_step: the newest complete one that passes
+    verification, or the one asked for) and refuses one of a format this code cannot read, of another
+    model, or of data with other classes, another sample shape or another number of training samples
+    (traincore.checkpoint.check_fit)."""
     wanted = cfg.checkpoint.resume
     if wanted == "none":
         return
-    steps = complete_steps(root)
-    fresh = "or start fresh with --resume none / checkpoint.resume='none' or another checkpoint directory"
-    if wanted != "latest" and int(wanted) not in steps:
-        raise CheckpointError(f"checkpoint.resume={wanted!r} (--resume): {root} holds no complete checkpoint "
-                              f"for step {int(wanted)} (complete steps: {steps or 'none'}): resume from one "
-                              f"of those or 'latest', {fresh}")
-    if not steps:
+    step = choose_step(root, None if wanted == "latest" else int(wanted), cfg.checkpoint.verify_on_load)
+    if step is None:
         return
-    directory = step_store(root, steps[-1] if wanted == "latest" else int(wanted))
-    marker = read_marker(directory)  # CheckpointError naming the directory for a foreign or unknown format
+    directory = step_store(root, step)
+    marker = read_marker(directory)
     if not root.local and marker["format"] == "torch_save":
-        # Its record sits inside the whole state (state.pt): every rank would download all of it here only
-        # to read a few fields. The checkpointer refuses a checkpoint that does not fit when it loads it.
+        # Its record sits inside the whole state (state.pt): the checkpointer downloads it once to load it,
+        # and refuses it then if it does not fit; reading it here too would download it once more.
         return
-    try:
-        shared = open_saved(directory, marker).shared
-        meta = shared.get("run", {})
-        saved_model = meta.get("config", {}).get("model", {})
-        saved_classes, saved_shape = meta.get("classes"), meta.get("shape")
-        saved_samples = shared.get("loader", {}).get("num_samples")
-    except (OSError, RuntimeError, ValueError, KeyError, TypeError, AttributeError, EOFError,
-            pickle.UnpicklingError):  # damaged files: the checkpointer verifies them and falls back
-        return
-    ours = {"name": cfg.model.name}
-    if cfg.model.name in OWN_MODELS:
-        ours["width"] = cfg.model.width
-    theirs = {key: saved_model.get(key) for key in ours}
-    if saved_model and theirs != ours:
-        raise CheckpointError(f"checkpoint {directory} was written by a run of model {theirs}, this run "
-                              f"builds {ours}: use that run's model config, {fresh}")
-    if (saved_classes is not None and list(saved_classes) != list(manifest.classes)) or (
-            saved_shape is not None and list(saved_shape) != list(manifest.shape)):
-        raise CheckpointError(
-            f"checkpoint {directory} was trained on data of {_classes(list(saved_classes or []))} and shape "
-            f"{tuple(saved_shape or ())}, but {data_dir} holds {_classes(list(manifest.classes))} of shape "
-            f"{tuple(manifest.shape)}: train on data staged as that run's was, {fresh}")
-    train_count = manifest.splits["train"].count
-    if saved_samples is not None and saved_samples != train_count:
-        raise CheckpointError(f"checkpoint {directory} was saved by a run over {saved_samples} training "
-                              f"samples, but {data_dir} has {train_count} (its place in the epoch would not "
-                              f"carry over): train on the dataset that run used, {fresh}")
+    run = RunFit(model_identity(cfg.to_dict()["model"]), list(manifest.classes), list(manifest.shape),
+                 manifest.splits["train"].count)
+    check_fit(directory, open_saved(directory, marker), run, data=str(data_dir))

@@ -31,10 +31,6 @@ class Stateful(Protocol):
     def load_state_dict(self, state: dict[str, Any]) -> None: ...
 
 
-class StateMismatchError(ValueError):
-    """A saved state does not fit this run; the message names what differs and the fix."""
-
-
 def unwrap_model(model: nn.Module) -> nn.Module:
     """The module that DistributedDataParallel / torch.compile wrap: its parameter names are canonical."""
     while True:
@@ -171,18 +167,9 @@ class RunMeta:
         return dict(self.meta)
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        for key in ("shape", "classes"):
-            saved, current = state.get(key), self.meta.get(key)
-            if saved is not None and current is not None and list(saved) != list(current):
-                raise StateMismatchError(
-                    f"the checkpoint was trained on data with {key} {list(saved)}, this run's data has "
-                    f"{list(current)}: stage the data as the checkpoint's run did, or train into a fresh "
-                    "checkpoint root")
-
-    def describe(self, state: dict[str, Any]) -> str:
-        """One phrase saying what a saved state was written for, for error messages."""
-        written_for = state.get("config", {}).get("model", "an unrecorded model config")
-        return f"The checkpoint was written for model config {written_for}"
+        # Nothing to restore: the record is this run's own. Whether a saved one fits the run is decided,
+        # for every member at once, before any is loaded (traincore.checkpoint.check_fit).
+        pass
 
 
 class StateRegistry:
@@ -218,12 +205,6 @@ class StateRegistry:
                     log.info("the checkpoint holds no %s state; keeping the current one", name)
                     continue
                 member.load_state_dict(states[name])
-
-    def describe(self, shared: dict[str, Any]) -> str:
-        """What members that can describe a saved state say about it (for mismatch messages)."""
-        parts = [member.describe(shared[name]) for name, member in self.shared.items()
-                 if hasattr(member, "describe") and name in shared]
-        return "; ".join(parts)
 
 
 def training_registry(model: nn.Module, optimizer: torch.optim.Optimizer, scheduler: Stateful,

@@ -33,9 +33,7 @@ from torch import nn
 from torch.distributed.elastic.multiprocessing.api import SignalException
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 
-from traincore.checkpoint.checkpointer import Checkpointer
-from traincore.checkpoint.layout import CheckpointError, step_store
-from traincore.checkpoint.store import Store, as_store
+from traincore.checkpoint import Checkpointer, CheckpointError, Store, as_store, step_store
 from traincore.config import PARALLELISMS, Config, ConfigError
 from traincore.data.autotune import autotune
 from traincore.data.loader import StagedLoader, StagedSplit

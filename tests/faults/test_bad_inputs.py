@@ -42,7 +42,7 @@ from tasks.launch import train_task_for
 from tasks.plan import plan_run
 from tasks.stage import stage_dataset
 from tasks.types import StagedDataset, Topology
-from traincore.checkpoint.layout import MARKER, verify_checkpoint
+from traincore.checkpoint import MARKER, verify_checkpoint
 from traincore.config import DataConfig
 from traincore.data.manifest import MANIFEST, Manifest
 from traincore.data.staging import stage

@@ -26,17 +26,17 @@ import pytest
 import torch
 from faultlib import TinyRun
 
-from traincore.checkpoint.checkpointer import Checkpointer
-from traincore.checkpoint.format import read_checkpoint
-from traincore.checkpoint.layout import (
+from traincore.checkpoint import (
     MARKER,
+    Checkpointer,
     CheckpointError,
     CorruptCheckpointError,
     complete_steps,
     step_dir,
     verify_checkpoint,
-    write_marker,
 )
+from traincore.checkpoint.commit import write_marker
+from traincore.checkpoint.format import read_checkpoint
 from traincore.config import CheckpointConfig
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")

@@ -25,7 +25,7 @@ from pathlib import Path
 import pytest
 from faultlib import Job, read_jsonl, wait_jobs
 
-from traincore.checkpoint.layout import MARKER, complete_steps, step_dir, verify_checkpoint
+from traincore.checkpoint import MARKER, complete_steps, step_dir, verify_checkpoint
 
 EVERY, KEEP_LAST, KILL_STEP, UNTIL = 2, 2, 8, 12
 
@@ -47,11 +47,11 @@ import torch.distributed as dist
 from faultlib import TinyRun
 
 from traincore.checkpoint import checkpointer as checkpoint
-from traincore.checkpoint import layout as checkpoint_files
+from traincore.checkpoint import commit as checkpoint_commit
 from traincore.checkpoint import store as checkpoint_store
 from traincore.checkpoint import writer as checkpoint_writer
-from traincore.checkpoint.checkpointer import Checkpointer
-from traincore.checkpoint.layout import MARKER, complete_steps, step_dir
+from traincore.checkpoint import Checkpointer
+from traincore.checkpoint import MARKER, complete_steps, step_dir
 from traincore.config import CheckpointConfig
 
 parser = argparse.ArgumentParser()
@@ -135,13 +135,13 @@ def arm(point):
             return write_marker(directory, *rest)
         checkpoint.write_marker = killing_write_marker
     elif point == "marker-publish":  # the marker written to its .tmp, not renamed into place
-        publish = checkpoint_files.publish
+        publish = checkpoint_commit.publish
 
         def killing_marker_publish(tmp, path):
             if Path(tmp).parent == TARGET and Path(path).name == MARKER:
                 die(tmp)
             publish(tmp, path)
-        checkpoint_files.publish = killing_marker_publish
+        checkpoint_commit.publish = killing_marker_publish
     elif point in ("prune-start", "prune-mid"):  # the step committed, pruning begun / a marker removed
         prune, fsync = checkpoint.prune, checkpoint_store.fsync_path
         pruning = []

@@ -24,14 +24,8 @@ from pathlib import Path
 import pytest
 from faultlib import TinyRun, mount_tmpfs, unmount
 
-from traincore.checkpoint.checkpointer import Checkpointer
-from traincore.checkpoint.layout import (
-    CheckpointError,
-    complete_steps,
-    remove_step,
-    step_dir,
-    verify_checkpoint,
-)
+from traincore.checkpoint import Checkpointer, CheckpointError, complete_steps, step_dir, verify_checkpoint
+from traincore.checkpoint.prune import remove_step
 from traincore.config import CheckpointConfig
 from traincore.state import RNGState
 

@@ -34,7 +34,7 @@ from faultlib import (
 
 from tasks.launch import train_task_for
 from tasks.types import StagedDataset, Topology
-from traincore.checkpoint.layout import complete_steps
+from traincore.checkpoint import complete_steps
 from traincore.data.manifest import Manifest
 from traincore.presets import preset
 

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 from faultlib import TINY, child_env, kill_tree, metric_rows, run, torchrun, train_args, wait_for
 
-from traincore.checkpoint.layout import CheckpointError, complete_steps
+from traincore.checkpoint import CheckpointError, complete_steps
 from traincore.data.manifest import Manifest
 from traincore.presets import preset
 from traincore.train import Trainer

@@ -20,7 +20,8 @@ import pytest
 import torch
 from faultlib import TINY, child_env, descendants, metric_rows, run, torchrun, train_args, wait_for
 
-from traincore.checkpoint.layout import complete_steps, is_torn, parse_step_name, step_dir, verify_checkpoint
+from traincore.checkpoint import complete_steps, parse_step_name, step_dir, verify_checkpoint
+from traincore.checkpoint.layout import is_torn
 from traincore.export import export
 from traincore.preemption import PREEMPTED_EXIT_CODE, RECORD_FILE
 

@@ -36,8 +36,8 @@ from faultlib import (
     train_args,
 )
 
+from traincore.checkpoint import step_dir
 from traincore.checkpoint.format import read_checkpoint
-from traincore.checkpoint.layout import step_dir
 
 MAX_STEPS, EVERY, FAULTS = 150, 10, 3
 RUN_ARGS = ("--max-steps", str(MAX_STEPS), "--checkpoint-every", str(EVERY))

@@ -45,8 +45,9 @@ from torch import nn
 from tasks.launch import train_task_for
 from tasks.train import WANDB_SECRET
 from tasks.types import StagedDataset, Topology
-from traincore.checkpoint.checkpointer import Checkpointer
-from traincore.checkpoint.layout import STATE_FILE, CheckpointError, complete_steps, step_dir, write_marker
+from traincore.checkpoint import Checkpointer, CheckpointError, complete_steps, step_dir
+from traincore.checkpoint.commit import write_marker
+from traincore.checkpoint.layout import STATE_FILE
 from traincore.config import CheckpointConfig, DataConfig
 from traincore.data.manifest import Manifest, StagingError
 from traincore.data.staging import stage
@@ -398,8 +399,8 @@ def test_a_forged_dcp_metadata_is_refused_without_running_code(tmp_path):
     """DCP's ``.metadata`` is a pickle; ours is read with an allow-list, so a forged one runs nothing."""
     import pickle
 
+    from traincore.checkpoint import CheckpointError
     from traincore.checkpoint.format import read_checkpoint
-    from traincore.checkpoint.layout import CheckpointError
 
     source = (Path(__file__).parents[1] / "traincore" / "checkpoint" / "fixtures" / "checkpoint-v2" / "dcp"
               / "step-000004")

@@ -21,7 +21,7 @@ import time
 import pytest
 from faultlib import Job, read_jsonl, wait_for
 
-from traincore.checkpoint.layout import MARKER, complete_steps, step_dir, verify_checkpoint
+from traincore.checkpoint import MARKER, complete_steps, step_dir, verify_checkpoint
 
 EVERY, SAVES, KILLS, CHECK_EVERY = 2, 200, 10, 5
 UNTIL = EVERY * SAVES
@@ -39,7 +39,7 @@ from pathlib import Path
 
 from faultlib import TinyRun
 
-from traincore.checkpoint.checkpointer import Checkpointer
+from traincore.checkpoint import Checkpointer
 from traincore.config import CheckpointConfig
 from traincore.state import RNGState
 

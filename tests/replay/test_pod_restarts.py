@@ -38,9 +38,8 @@ from s3_server import tensorboard_steps
 
 from replay import literals
 from replay.retry import kill_pod, start_pod
+from traincore.checkpoint import Store, complete_steps, read_marker, step_store
 from traincore.checkpoint.format import read_checkpoint
-from traincore.checkpoint.layout import complete_steps, read_marker, step_store
-from traincore.checkpoint.store import Store
 from traincore.telemetry.records import attempt_records
 
 MAX_STEPS, EVERY = 200, 20  # 10-30 s of training on a 2-core machine (busy or not)

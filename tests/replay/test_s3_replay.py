@@ -20,9 +20,9 @@ import pytest
 import torch
 from replay_helpers import run_replay  # noqa: I001  (a module beside this file)
 
+from traincore.checkpoint import Store, complete_steps, read_marker, step_store
 from traincore.checkpoint.format import read_checkpoint
-from traincore.checkpoint.layout import complete_steps, read_marker, remove_step, step_store
-from traincore.checkpoint.store import Store
+from traincore.checkpoint.prune import remove_step
 
 MAX_STEPS, EVERY = 60, 20
 TRAIN_NODE = "n2-0-dn0"  # the train task inside the @dynamic train_on_backend node

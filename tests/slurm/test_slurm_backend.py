@@ -16,9 +16,8 @@ import pytest
 
 from tasks.launch import train_task_for
 from tasks.types import SlurmSettings, StagedDataset, Topology
+from traincore.checkpoint import Store, complete_steps, read_marker, step_dir, step_store, verify_checkpoint
 from traincore.checkpoint.format import read_checkpoint
-from traincore.checkpoint.layout import complete_steps, read_marker, step_dir, step_store, verify_checkpoint
-from traincore.checkpoint.store import Store
 from traincore.data.manifest import Manifest
 from traincore.presets import preset
 

@@ -15,8 +15,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import traincore.export
-from traincore.checkpoint.checkpointer import Checkpointer
-from traincore.checkpoint.layout import CheckpointError, step_dir, verify_checkpoint
+from traincore.checkpoint import Checkpointer, CheckpointError, step_dir, verify_checkpoint
 from traincore.config import CheckpointConfig, Config, ModelConfig
 from traincore.export import ExportError, export, load_exported, main
 from traincore.files import sha256_file

@@ -15,7 +15,7 @@ import torch
 from safetensors.torch import load_file
 from trainruns import final_weights, killed_and_resumed, run_train
 
-from traincore.checkpoint.layout import complete_steps
+from traincore.checkpoint import complete_steps
 from traincore.config import ModelConfig
 from traincore.export import export
 from traincore.models import build_model, shard_units
@@ -30,7 +30,7 @@ import json, sys
 from pathlib import Path
 import torch, torch.distributed as dist
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
-from traincore.checkpoint.layout import latest_complete, read_marker
+from traincore.checkpoint import latest_complete, read_marker
 from traincore.presets import build_config
 from traincore.state import ModelState, OptimizerState
 from traincore.train import Trainer

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from traincore.checkpoint.layout import complete_steps
+from traincore.checkpoint import complete_steps
 
 TINY = {"model": {"name": "small_cnn", "width": 8}, "loader": {"batch_size": 16},
         "telemetry": {"log_every": 2, "tensorboard": False, "progress": "off"}}

@@ -12,7 +12,7 @@ import pytest
 import torch
 from trainruns import TINY, final_weights, killed_and_resumed, run_train, train_losses
 
-from traincore.checkpoint.layout import complete_steps
+from traincore.checkpoint import complete_steps
 from traincore.config import ModelConfig
 from traincore.preflight import check_model_input
 from traincore.train import gc_paused

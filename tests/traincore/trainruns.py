@@ -14,7 +14,7 @@ from pathlib import Path
 
 import torch
 
-from traincore.checkpoint.layout import complete_steps
+from traincore.checkpoint import complete_steps
 from traincore.export import export
 
 TINY = {"model": {"name": "small_cnn", "width": 8}, "optim": {"lr": 3e-3, "warmup_steps": 2},

@@ -1,11 +1,44 @@
 """Checkpoints of the run's state registry: save and resume, on a local disk or in an object store.
 
-    checkpointer  the Checkpointer: save every N steps in one of three modes (sync, dcp, async), resume
-    layout        step directories, per-file checksums, the commit marker (written last), pruning
+A save, followed through the code: :meth:`Checkpointer.save` (checkpointer) clears the step directory
+(prune), writes each rank's files (writer for ``state.pt`` and ``extra.pt``, dcp for the tensors), then
+rank 0 writes the commit marker (commit) and prunes older steps (prune). A resume: :func:`choose_step` and
+:func:`check_fit` (resume) pick the step and refuse one that does not fit; format reads it.
+
+    checkpointer  the Checkpointer: save every N steps or seconds in one of three modes (sync, dcp, async)
+    resume        which step a resume loads (verify, fall back) and whether it fits the run
+    commit        the commit marker, written last, and the per-file checksums it lists
+    layout        step directories under a root: names, complete, torn and foreign ones
+    prune         deleting step directories: old, torn, superseded; never another program's
+    errors        what a checkpoint operation raises, each naming the file and the fix
     format        what a step directory holds, version by version, read into the registry's shape
     dcp           the torch.distributed.checkpoint side: torch's writer with named errors, our object-store
                   writer and reader, allow-listed reads
     writer        our checksummed, direct-I/O writer of state.pt and extra.pt
     snapshot      the in-memory copy an ``async`` save writes while training goes on
     store         where the files live: a local directory or an object-store prefix (fsspec), one interface
+
+Other packages import from here, never from the modules.
 """
+
+from traincore.checkpoint.checkpointer import Checkpointer, SaveStats
+from traincore.checkpoint.commit import FORMAT_VERSION, read_marker, verify_checkpoint
+from traincore.checkpoint.errors import CheckpointError, CheckpointWriteError, CorruptCheckpointError
+from traincore.checkpoint.format import open_saved, read_checkpoint
+from traincore.checkpoint.layout import (
+    MARKER,
+    complete_steps,
+    latest_complete,
+    parse_step_name,
+    step_dir,
+    step_store,
+)
+from traincore.checkpoint.resume import RunFit, check_fit, choose_step
+from traincore.checkpoint.store import Store, as_store, is_uri
+
+__all__ = [
+    "FORMAT_VERSION", "MARKER", "CheckpointError", "CheckpointWriteError", "Checkpointer",
+    "CorruptCheckpointError", "RunFit", "SaveStats", "Store", "as_store", "check_fit", "choose_step",
+    "complete_steps", "is_uri", "latest_complete", "open_saved", "parse_step_name", "read_checkpoint",
+    "read_marker", "step_dir", "step_store", "verify_checkpoint",
+]

@@ -1,18 +1,20 @@
 """Checkpoints: save and resume a run's state registry in one of three modes.
 
-The checkpointer is handed a :class:`~traincore.state.StateRegistry` and never looks inside its members:
-it saves the registry's shared state and gathers every rank's per-rank state. ``sync`` writes one
-``state.pt`` from rank 0; ``dcp`` and ``async`` write a torch.distributed.checkpoint directory, every rank
-its own part. The layout, the commit marker and the checksums are :mod:`traincore.checkpoint.layout`; what the
-files hold is :mod:`traincore.checkpoint.format`. Our own files are checksummed while written; DCP's are
-written by torch's FileSystemWriter and read back once, each rank a share of them. Rank 0 gathers the
-checksums and writes the marker last, once every rank's writes are done.
+The checkpointer is handed a :class:`~traincore.state.StateRegistry` and never looks inside its members: it
+saves the registry's shared state and gathers every rank's per-rank state. ``sync`` writes one ``state.pt``
+from rank 0; ``dcp`` and ``async`` write a torch.distributed.checkpoint directory, every rank its own part.
+Where the files go is :mod:`traincore.checkpoint.layout`, the commit marker and its checksums
+:mod:`traincore.checkpoint.commit`, what the files hold :mod:`traincore.checkpoint.format`. Our own files are
+checksummed while written; DCP's are written by torch's FileSystemWriter and read back once, each rank a share
+of them. Rank 0 gathers the checksums and writes the marker last, once every rank's writes are done.
 
-Resume takes the latest complete checkpoint. If ``verify_on_load`` finds one of its files corrupt (checksum
-mismatch or truncated, or a damaged commit marker), a warning names the file and loading FALLS BACK to the
-previous complete checkpoint, so one bad write costs ``every`` steps rather than the run. A corrupt step
-that was asked for by number is an error, and so is a commit.json of another program or format (refused,
-never skipped) and a file that passes verification but cannot be read; each message names the file.
+Resume takes the latest complete checkpoint (:mod:`traincore.checkpoint.resume`, which preflight calls too, so
+both pick the same step and refuse one that does not fit the run alike). If ``verify_on_load`` finds one of
+its files corrupt (checksum mismatch or truncated, or a damaged commit marker), a warning names the file and
+loading FALLS BACK to the previous complete checkpoint, so one bad write costs ``every`` steps rather than the
+run. A corrupt step that was asked for by number is an error, and so is a commit.json of another program or
+format (refused, never skipped) and a file that passes verification but cannot be read; each message names the
+file.
 
 A save that fails (a full disk: "no space left on device while writing <path>") raises CheckpointWriteError,
 a CheckpointError and an OSError; rank 0 deletes the torn directory, and the committed ones stay as they are.
@@ -55,27 +57,12 @@ from typing import TYPE_CHECKING, Any
 import torch.distributed as dist
 from torch.optim import Optimizer
 
+from traincore.checkpoint.commit import checksum_share, read_marker, write_marker
+from traincore.checkpoint.errors import CheckpointError, write_error
 from traincore.checkpoint.format import flat_shapes, load_tensors, open_saved, split_tensors
-from traincore.checkpoint.layout import (
-    EXTRA_FILE,
-    MARKER,
-    STATE_FILE,
-    CheckpointError,
-    CorruptCheckpointError,
-    checksum_share,
-    clear_step,
-    complete_steps,
-    foreign_entries,
-    prune,
-    read_marker,
-    remove_step,
-    step_dirs,
-    step_store,
-    torn_steps,
-    verify_checkpoint,
-    write_error,
-    write_marker,
-)
+from traincore.checkpoint.layout import EXTRA_FILE, STATE_FILE, step_dirs, step_store
+from traincore.checkpoint.prune import clear_step, prune, remove_step
+from traincore.checkpoint.resume import RunFit, check_fit, choose_step
 from traincore.checkpoint.store import Store, as_store
 from traincore.checkpoint.writer import save_to_store, serialize, write_to_store
 from traincore.config import CheckpointConfig
@@ -329,82 +316,27 @@ class Checkpointer:
         directory = step_store(self.root, chosen)
         marker = read_marker(directory)
         saved = open_saved(directory, marker)
+        state = self.registry.shared_state()
         # The run's own tensors, filled in place; members the checkpoint lacks keep theirs (registry.load).
-        current = split_tensors(self.registry.shared_state())[0]
+        current = split_tensors(state)[0]
         template = {member: tensors for member, tensors in current.items() if member in saved.shared}
-        self._check_shapes(directory, saved.shapes, flat_shapes(template), saved.shared)
+        check_fit(directory, saved, RunFit.of_state(state), shapes=flat_shapes(template))
         load_tensors(saved, directory, marker, template, self._group)
         rank_state = saved.per_rank[self.rank] if len(saved.per_rank) == self.world_size else None
         if rank_state is None:
             log.info("checkpoint was written by %d ranks, this run has %d: per-rank state (RNG) cannot be "
                      "matched to ranks, keeping the current one", len(saved.per_rank), self.world_size)
-        try:
-            self.registry.load(saved.shared, rank_state)
-        except ValueError as exc:
-            # Imported here: traincore.state imports DCP's state-dict helpers, which a sync load does without.
-            from traincore.state import StateMismatchError
-
-            if not isinstance(exc, StateMismatchError):
-                raise
-            raise CheckpointError(f"checkpoint {directory} does not fit this run: {exc}") from exc
+        self.registry.load(saved.shared, rank_state)
         log.info("resumed from %s (step %d, mode %s)", directory, saved.step, marker["mode"])
         self.committed = chosen
         return saved.step
 
-    def _check_shapes(self, directory: Store, saved: dict[str, list], current: dict[str, list],
-                      saved_shared: dict) -> None:
-        """Refuse a checkpoint whose tensors differ from the run's, naming the first one, before loading."""
-        for name in [*current, *(n for n in saved if n not in current)]:
-            saved_shape, current_shape = saved.get(name, "absent"), current.get(name, "absent")
-            if saved_shape != current_shape:
-                member, _, key = name.partition(".")
-                kind = "parameter" if member == "model" else f"{member} state"
-                raise CheckpointError(
-                    f"checkpoint {directory} does not fit this run: {kind} {key!r} has shape {saved_shape} "
-                    f"in the checkpoint and {current_shape} in the model. "
-                    f"{self.registry.describe(saved_shared) or 'Its run config is unrecorded'}: build that "
-                    "model, or train into a fresh checkpoint root")
-
     def _choose(self, step: int | None) -> tuple[int | None, str | None]:
         """Rank 0: the step to load (None: nothing to resume), or the error every rank raises."""
         try:
-            return self._pick(step), None
+            return choose_step(self.root, step, self.cfg.verify_on_load), None
         except (CheckpointError, OSError) as exc:  # raised on every rank, so no rank waits forever
             return None, str(exc)
-
-    def _pick(self, step: int | None) -> int | None:
-        for entry in foreign_entries(self.root):
-            log.warning("ignoring %s: it is not a checkpoint of traincore (another program's file or "
-                        "directory; never deleted): move it out of %s to silence this warning", entry,
-                        self.root)
-        complete = complete_steps(self.root)
-        for torn in torn_steps(self.root, complete):
-            if not complete or torn > complete[-1]:
-                log.warning("skipping %s: its save never committed (no %s; the process was stopped while "
-                            "writing it); resuming from the latest committed step instead", step_store(
-                                self.root, torn), MARKER)
-        if step is not None:
-            if step not in complete:
-                raise CheckpointError(f"no complete checkpoint for step {step} under {self.root}; complete "
-                                      f"steps: {complete or 'none'}")
-            self._verify(step)
-            return step
-        for candidate in reversed(complete):
-            try:
-                self._verify(candidate)
-                return candidate
-            except CorruptCheckpointError as exc:
-                log.warning("%s; falling back to the previous complete checkpoint", exc)
-        if complete:
-            raise CheckpointError(f"every complete checkpoint under {self.root} is corrupt (steps "
-                                  f"{complete}): restore them from a backup, or set checkpoint.resume='none'")
-        return None
-
-    def _verify(self, step: int) -> None:
-        if self.cfg.verify_on_load:
-            verify_checkpoint(step_store(self.root, step))
-        else:
-            read_marker(step_store(self.root, step))
 
 
 def registered_optimizers(registry: StateRegistry) -> list[Optimizer]:

@@ -32,7 +32,8 @@ from torch.distributed.checkpoint.state_dict_saver import AsyncSaveResponse
 from torch.distributed.checkpoint.storage import StorageReader, StorageWriter, WriteResult
 from torch.futures import Future
 
-from traincore.checkpoint.layout import CorruptCheckpointError, tmp_path, write_error, writing
+from traincore.checkpoint.errors import CorruptCheckpointError, write_error, writing
+from traincore.checkpoint.layout import tmp_path
 from traincore.checkpoint.store import Store, is_uri
 from traincore.checkpoint.writer import ChecksumStream
 

@@ -23,8 +23,10 @@ from typing import Any
 
 import torch
 
-from traincore.checkpoint.layout import EXTRA_FILE, STATE_FILE, CorruptCheckpointError, load_file, read_marker
-from traincore.checkpoint.store import Store, as_store
+from traincore.checkpoint.commit import read_marker
+from traincore.checkpoint.errors import CorruptCheckpointError
+from traincore.checkpoint.layout import EXTRA_FILE, STATE_FILE
+from traincore.checkpoint.store import Store, as_store, read_stream
 
 # Where version 2 kept the tensors that version 3 keeps under these member paths.
 _V2_TENSORS = {"model": ("model",), "optim": ("optimizer", "state")}
@@ -64,6 +66,25 @@ def flat_shapes(tensors: dict[str, Any], prefix: str = "") -> dict[str, list[int
         else:
             shapes[name] = list(value.shape)
     return shapes
+
+
+def load_file(directory: str | Path | Store, name: str) -> Any:
+    """A torch.save file of a step directory (local: memory-mapped), restricted to weights_only;
+    CorruptCheckpointError naming the file when it is missing or torch.load cannot read it."""
+    store = as_store(directory)
+    path = store.uri_of(name)
+    try:
+        if store.local:
+            return torch.load(store.path / name, map_location="cpu", weights_only=True, mmap=True)
+        return torch.load(read_stream(store, name), map_location="cpu", weights_only=True)
+    except FileNotFoundError as exc:
+        raise CorruptCheckpointError(f"checkpoint file {path} is missing: resume from another step, or "
+                                     f"delete {store}") from exc
+    except Exception as exc:  # torch.load's reader reports a damaged or foreign file as whatever it hit
+        raise CorruptCheckpointError(
+            f"checkpoint file {path} cannot be read by torch.load ({type(exc).__name__}, chained): it is "
+            f"damaged or was not written by traincore: resume from another step, or delete "
+            f"{store}") from exc
 
 
 @dataclass

@@ -32,7 +32,9 @@ from typing import Any
 
 import torch
 
-from traincore.checkpoint.layout import checksum_entry, tmp_path, writing
+from traincore.checkpoint.commit import checksum_entry
+from traincore.checkpoint.errors import writing
+from traincore.checkpoint.layout import tmp_path
 from traincore.checkpoint.store import Store
 from traincore.files import publish
 

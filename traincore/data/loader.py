@@ -205,11 +205,9 @@ class StagedLoader:
                 "num_samples": len(self.split)}
 
     def load_state_dict(self, state: dict[str, int]) -> None:
-        """Continue the saved global order; the world size may differ from the one that saved it."""
-        if state["num_samples"] != len(self.split):
-            raise ValueError(f"the saved loader position is for {state['num_samples']} samples but this "
-                             f"{self.split.split} split has {len(self.split)}: "
-                             "resume on the same staged dataset")
+        """Continue the saved global order; the world size may differ from the one that saved it. A saved
+        position of a split of another size does not carry over: traincore.checkpoint.check_fit refuses
+        such a checkpoint before any member is loaded."""
         if state["seed"] != self.seed:
             log.warning("loader seed %d from the checkpoint replaces the configured seed %d",
                         state["seed"], self.seed)

@@ -18,7 +18,7 @@ import logging
 import threading
 from pathlib import Path
 
-from traincore.checkpoint.store import Store
+from traincore.checkpoint import Store
 
 RECORDS_DIR = "records"
 TAIL_BYTES = 64 << 10  # of a stderr copy: the end of a failure, not the whole log

@@ -33,7 +33,7 @@ from tasks.slurm.report import headline
 from tasks.slurm.states import JobInfo, Outcome, classify_states
 from tasks.storage import resume_note
 from tasks.types import SlurmSettings, Topology
-from traincore.checkpoint.layout import MARKER
+from traincore.checkpoint import MARKER
 from traincore.preemption import PREEMPTED_EXIT_CODE
 
 ROOT = Path(__file__).resolve().parents[3]

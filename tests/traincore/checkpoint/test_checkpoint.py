@@ -19,12 +19,9 @@ import torch.multiprocessing as mp
 import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel
 
-from traincore.checkpoint import layout as checkpoint_files
-from traincore.checkpoint import writer as checkpoint_writer
-from traincore.checkpoint.checkpointer import Checkpointer
-from traincore.checkpoint.format import open_saved, read_checkpoint
-from traincore.checkpoint.layout import (
+from traincore.checkpoint import (
     MARKER,
+    Checkpointer,
     CheckpointError,
     complete_steps,
     latest_complete,
@@ -32,6 +29,9 @@ from traincore.checkpoint.layout import (
     step_dir,
     verify_checkpoint,
 )
+from traincore.checkpoint import commit as checkpoint_commit
+from traincore.checkpoint import writer as checkpoint_writer
+from traincore.checkpoint.format import open_saved, read_checkpoint
 from traincore.checkpoint.writer import ChecksumWriter
 from traincore.config import CHECKPOINT_MODES, CheckpointConfig, Config, ModelConfig
 from traincore.models import build_model
@@ -176,8 +176,8 @@ def test_round_trip_restores_everything_bitwise(tmp_path, mode, caplog):
 @pytest.mark.parametrize("mode", CHECKPOINT_MODES)
 def test_only_dcp_files_are_read_back_to_checksum_them(tmp_path, mode, monkeypatch):
     read_back = []
-    original = checkpoint_files.file_checksum
-    monkeypatch.setattr(checkpoint_files, "file_checksum",
+    original = checkpoint_commit.file_checksum
+    monkeypatch.setattr(checkpoint_commit, "file_checksum",
                         lambda path: read_back.append(path) or original(path))
     save_steps(tmp_path, mode, [1])
     # Our own files are checksummed on their way to disk; torch's writer writes DCP's, read back once each.
@@ -295,10 +295,10 @@ def test_keep_last_prunes_old_and_torn_checkpoints(tmp_path):
 
 def test_format_version_mismatch_is_rejected(tmp_path, monkeypatch):
     with monkeypatch.context() as patch:
-        patch.setattr(checkpoint_files, "FORMAT_VERSION", 99)
+        patch.setattr(checkpoint_commit, "FORMAT_VERSION", 99)
         save_steps(tmp_path, "sync", [1])
     with pytest.raises(CheckpointError,
-                       match=f"format version 99.* reads version {checkpoint_files.FORMAT_VERSION}"):
+                       match=f"format version 99.* reads version {checkpoint_commit.FORMAT_VERSION}"):
         load(tmp_path)
 
 

@@ -8,8 +8,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from traincore.checkpoint import read_marker, step_dir
 from traincore.checkpoint.format import flat_shapes, merge, read_checkpoint, split_tensors
-from traincore.checkpoint.layout import read_marker, step_dir
 from traincore.presets import debug
 from traincore.train import Trainer
 

@@ -16,8 +16,8 @@ import logging
 import pytest
 from test_checkpoint import load, make_state, save_steps, train
 
-from traincore.checkpoint.checkpointer import Checkpointer
-from traincore.checkpoint.layout import MARKER, CheckpointError, complete_steps, foreign_entries, step_dir
+from traincore.checkpoint import MARKER, Checkpointer, CheckpointError, complete_steps, step_dir
+from traincore.checkpoint.layout import foreign_entries
 from traincore.config import CheckpointConfig
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")

@@ -17,8 +17,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from traincore.checkpoint import Checkpointer
 from traincore.checkpoint import snapshot as checkpoint_staging
-from traincore.checkpoint.checkpointer import Checkpointer
 from traincore.checkpoint.snapshot import SYNC_COPY_BYTES
 from traincore.config import CheckpointConfig
 from traincore.state import Progress, RNGState, training_registry
@@ -215,7 +215,7 @@ import torch
 from traincore.checkpoint import format as checkpoint_format
 from traincore.checkpoint import layout as checkpoint_files
 from traincore.checkpoint import writer as checkpoint_writer
-from traincore.checkpoint.checkpointer import Checkpointer
+from traincore.checkpoint import Checkpointer
 from traincore.config import CheckpointConfig
 
 class Registry:
@@ -228,8 +228,6 @@ class Registry:
         return {}
     def load(self, shared, rank):
         self.weights = dict(shared["model"])
-    def describe(self, shared):
-        return ""
 
 root = sys.argv[1]
 checkpointer = Checkpointer(root, CheckpointConfig(mode="sync"), Registry(1.0))

@@ -20,17 +20,17 @@ import torch
 from test_checkpoint import assert_same, load, make_state, save_steps, snapshot, train  # noqa: I001  (beside this file)
 from trainruns import TINY, kill_tree, train_cmd
 
-from traincore.checkpoint.checkpointer import Checkpointer
-from traincore.checkpoint.format import read_checkpoint
-from traincore.checkpoint.layout import (
+from traincore.checkpoint import (
     MARKER,
+    Checkpointer,
     CheckpointError,
+    Store,
     complete_steps,
     read_marker,
     step_store,
     verify_checkpoint,
 )
-from traincore.checkpoint.store import Store
+from traincore.checkpoint.format import read_checkpoint
 from traincore.config import CHECKPOINT_MODES, CheckpointConfig
 from traincore.preemption import PREEMPTED_EXIT_CODE, read_record
 from traincore.preflight import OutputError, ensure_writable_store

@@ -10,7 +10,7 @@ import uuid
 import pytest
 from s3_server import tensorboard_steps  # noqa: I001  (tests/s3_server.py)
 
-from traincore.checkpoint.store import Store
+from traincore.checkpoint import Store
 from traincore.presets import debug
 from traincore.telemetry.records import TAIL_BYTES, RecordsSync, attempt_records, next_attempt
 from traincore.train import Trainer
