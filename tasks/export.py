@@ -29,7 +29,8 @@ def export_model(trained: TrainResult, dataset: StagedDataset) -> ModelArtifact:
     output = Path(flytekit.current_context().working_directory) / "model"
     lineage = replace(dataset_lineage(dataset), execution_id=execution_id(),
                       metrics=metric_summary(trained.summary))
-    result = export(local_directory(trained.checkpoints), output / WEIGHTS_FILE, lineage)
+    # The checkpoint this workflow trained: its own config named the model's factory, if it has one.
+    result = export(local_directory(trained.checkpoints), output / WEIGHTS_FILE, lineage, trust_model=True)
     weights, config = Path(result.path), Path(result.config_path)
     print(f"export_model: {weights.name} ({result.num_bytes / 2**20:.2f} MiB, {result.num_parameters:,} "
           f"parameters, step {result.step}, sha256 {result.sha256[:12]}) + {config.name} + lineage.json "

@@ -142,7 +142,9 @@ def judge(report: EvalReport, champion: Champion | None, dataset: StagedDataset,
     problem = comparison_problem(champion, dataset, by_hand)
     if problem:
         return False, problem, None
-    result = evaluate(champion.directory / WEIGHTS_FILE, local_directory(dataset.directory), TEST_SPLIT)
+    # The champion is a version this pipeline promoted into its own registry, so its factory is trusted.
+    result = evaluate(champion.directory / WEIGHTS_FILE, local_directory(dataset.directory), TEST_SPLIT,
+                      trust_model=True)
     # The champion's lineage as published: its test figures there are those of its own, older split.
     scored = EvalReport(result=result, lineage=champion.lineage or Lineage())
     promoted, reason = decide(accuracy, threshold, result.accuracy, tolerance)

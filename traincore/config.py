@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import re
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -28,6 +29,8 @@ _EXPECTED = {
     "int": "an integer (a JSON number without a fraction)",
     "float": "a number",
     "str": "a string",
+    "dict": "a JSON object",
+    "list": "a JSON list",
 }
 
 
@@ -77,6 +80,10 @@ def _check_types(section: Any, prefix: str) -> None:
                 raise ConfigError(f"{name}={value!r} is invalid: expected a finite number")
         elif kind == "str":
             ok = isinstance(value, str)
+        elif kind == "dict":
+            ok = isinstance(value, dict)
+        elif kind == "list":
+            ok = isinstance(value, list)
         else:  # a new field type must be added here, not silently skipped
             raise TypeError(f"{type(section).__name__}.{spec.name}: no type check for {kind!r}")
         if not ok:
@@ -103,32 +110,52 @@ def _ints(section: Any, prefix: str, **lows: int) -> None:
                value, f"must be an integer >= {low}")
 
 
+def _json_object(name: str, value: Any) -> None:
+    """``value`` must be a JSON object: a dict with string keys whose values JSON can write."""
+    _check(isinstance(value, dict) and all(isinstance(key, str) for key in value), name, value,
+           "expected a JSON object with string keys")
+    try:
+        json.dumps(value, allow_nan=False)
+    except (TypeError, ValueError) as exc:
+        raise ConfigError(f"{name}={value!r} is invalid: it must hold JSON values only ({exc})") from exc
+
+
 def _one_of(name: str, value: Any, choices: tuple[str, ...]) -> None:
     _check(value in choices, name, value, f"must be one of {', '.join(choices)}")
 
 
-SOURCE_KINDS = ("digits", "synthetic", "imagefolder")
+SOURCE_KINDS = ("digits", "synthetic", "imagefolder", "python")
 MODEL_NAMES = ("small_cnn", "resnet18", "resnet34", "resnet50", "vit_b_16", "vit_tiny", "mlp")
+_IMPORT_PATH = re.compile(r"^[A-Za-z_]\w*(\.[A-Za-z_]\w*)*:[A-Za-z_]\w*(\.[A-Za-z_]\w*)*$")
+FACTORY_ARGUMENTS = ("num_classes", "in_channels", "image_size")
+"""What an imported model factory is called with, from the staged data, besides model.kwargs."""
 OWN_MODELS = ("small_cnn", "mlp")
 """The models traincore.models defines itself (they take model.width); the others come from torchvision."""
 CHECKPOINT_MODES = ("sync", "dcp", "async")
 WANDB_MODES = ("disabled", "offline", "online")
 DIST_BACKENDS = ("auto", "gloo", "nccl", "cpu:gloo,cuda:nccl")
 PARALLELISMS = ("ddp", "fsdp")
+OPTIMIZERS = ("adamw", "sgd")
 MAX_SEED = 2**63 - 1  # seed + rank must fit torch.manual_seed's 64 bits
 MAX_TIMEOUT_S = 2**31 - 1  # process-group timeouts travel as int64 milliseconds
 
 
 def parse_source(source: str) -> tuple[str, str]:
-    """Split ``"imagefolder:/path"`` into ``("imagefolder", "/path")``; other kinds have no argument."""
+    """Split ``"imagefolder:/path"`` into ``("imagefolder", "/path")`` and ``"python:pkg.data:build"`` into
+    ``("python", "pkg.data:build")``; other kinds have no argument."""
     kind, _, arg = source.partition(":")
     if kind not in SOURCE_KINDS:
-        raise ConfigError(
-            f"data.source={source!r} is unknown: use 'digits', 'synthetic' or 'imagefolder:<path-or-URI>'")
-    if kind == "imagefolder" and not arg:
-        raise ConfigError("data.source='imagefolder' needs a location: write 'imagefolder:<path-or-URI>'")
-    if kind != "imagefolder" and arg:
-        raise ConfigError(f"data.source={source!r}: only 'imagefolder' takes a ':<location>' part")
+        raise ConfigError(f"data.source={source!r} is unknown: use 'digits', 'synthetic', "
+                          "'imagefolder:<path-or-URI>' or 'python:<module>:<callable>'")
+    if kind in ("imagefolder", "python") and not arg:
+        where = "<path-or-URI>" if kind == "imagefolder" else "<module>:<callable>"
+        raise ConfigError(f"data.source={kind!r} needs a location: write '{kind}:{where}'")
+    if kind == "python" and not _IMPORT_PATH.match(arg):
+        raise ConfigError(f"data.source={source!r}: {arg!r} is not '<module>:<callable>' (dotted names, "
+                          "e.g. 'python:mypkg.data:build')")
+    if kind not in ("imagefolder", "python") and arg:
+        raise ConfigError(f"data.source={source!r}: only 'imagefolder' and 'python' take a ':<location>' "
+                          "part")
     return kind, arg
 
 
@@ -136,7 +163,8 @@ def parse_source(source: str) -> tuple[str, str]:
 class DataConfig:
     """What to stage and how: source, image size, split fractions, synthetic parameters."""
     source: str = "digits"
-    """``digits`` (bundled with scikit-learn), ``synthetic`` or ``imagefolder:<path-or-URI>``."""
+    """``digits`` (bundled with scikit-learn), ``synthetic``, ``imagefolder:<path-or-URI>`` or
+    ``python:<module>:<callable>`` (a dataset factory of yours, docs/own-model.md)."""
     image_size: int = 32
     """Side in pixels of the square images staging writes (1 to 4096); vit_b_16 needs a multiple of 16."""
     channels: int = 3
@@ -204,8 +232,21 @@ class LoaderConfig:
 class ModelConfig:
     """Architecture by name; input shape and class count come from the staged manifest."""
     name: str = "small_cnn"
-    """small_cnn, mlp, resnet18, resnet34, resnet50, vit_b_16 or vit_tiny (a 4-layer ViT for small images);
-    random init (never downloads weights)."""
+    """small_cnn, mlp, resnet18, resnet34, resnet50, vit_b_16 or vit_tiny (a 4-layer ViT for small images),
+    or a factory of your own as ``"<module>:<callable>"`` (docs/own-model.md); random init unless
+    init_from (nothing is downloaded)."""
+    kwargs: dict = field(default_factory=dict)
+    """Keyword arguments for an imported factory (model.name ``"<module>:<callable>"``), a JSON object; it
+    is called as ``callable(num_classes=..., in_channels=..., image_size=..., **kwargs)``."""
+    init_from: str = ""
+    """Weights to start from (docs/own-model.md): a safetensors or torch state-dict (.pt/.pth) file, a path
+    or an object-store URI, loaded before the first step; ignored by a run that resumes. Empty: random."""
+    init_exclude: list = field(default_factory=list)
+    """fnmatch patterns over the model's state_dict names that keep their fresh values (a new head, e.g.
+    ``["fc.*"]``)."""
+    init_strict: bool = True
+    """Refuse an init_from file that lacks a tensor of the model, or holds one of another shape, unless
+    excluded; false loads what fits and reports the rest."""
     width: int = 32
     """Channels of the first conv layer (small_cnn) or hidden size (mlp); the torchvision models ignore it."""
     dropout: float = 0.0
@@ -215,32 +256,61 @@ class ModelConfig:
 
     def __post_init__(self) -> None:
         _check_types(self, "model")
-        _one_of("model.name", self.name, MODEL_NAMES)
+        _check(self.name in MODEL_NAMES or is_imported_model(self.name), "model.name", self.name,
+               f"must be one of {', '.join(MODEL_NAMES)}, or \"<module>:<callable>\" naming a model factory "
+               "of yours, e.g. \"mypkg.models:build\" (docs/own-model.md)")
+        _json_object("model.kwargs", self.kwargs)
+        patterns = self.init_exclude
+        _check(isinstance(patterns, list) and all(isinstance(p, str) and p for p in patterns),
+               "model.init_exclude", self.init_exclude, 'expected a list of fnmatch patterns, e.g. ["fc.*"]')
+        _check(not self.init_exclude or bool(self.init_from), "model.init_exclude", self.init_exclude,
+               "it applies to model.init_from, which is empty: set it, or leave init_exclude empty")
+        reserved = sorted(set(self.kwargs) & set(FACTORY_ARGUMENTS))
+        _check(not reserved, "model.kwargs", self.kwargs, f"{', '.join(reserved)} come from the staged data: "
+               "leave them out")
+        _check(not self.kwargs or is_imported_model(self.name), "model.kwargs", self.kwargs,
+               f"it is for an imported factory (model.name \"<module>:<callable>\"); {self.name} takes none: "
+               "leave it empty")
         _ints(self, "model", width=1)
         _check(isinstance(self.dropout, (int, float)) and 0.0 <= self.dropout < 1.0, "model.dropout",
                self.dropout, "must be in [0, 1)")
 
 
+def is_imported_model(name: str) -> bool:
+    """Whether model.name names a factory of the user's (``"<module>:<callable>"``)."""
+    return bool(_IMPORT_PATH.match(name))
+
+
 def model_identity(model: dict[str, Any]) -> dict[str, Any]:
     """The fields of a model config (as ``to_dict`` writes it) that decide the model's tensors: its name,
-    and its width for the models that take one. Two runs with equal identities build the same tensors."""
+    its width for the models that take one, its kwargs for an imported one. Two runs with equal identities
+    build the same tensors."""
     identity = {"name": model.get("name")}
     if model.get("name") in OWN_MODELS:
         identity["width"] = model.get("width")
+    if isinstance(model.get("name"), str) and is_imported_model(model["name"]):
+        identity["kwargs"] = model.get("kwargs", {})
     return identity
 
 
 @dataclass
 class OptimConfig:
-    """AdamW with linear warmup then cosine decay to ``lr * min_lr_ratio``."""
+    """AdamW or SGD, with linear warmup then cosine decay to ``lr * min_lr_ratio``."""
+    name: str = "adamw"
+    """adamw (decoupled weight decay, beta1/beta2) or sgd (momentum, nesterov; L2 weight decay), as in
+    torchvision's classification reference."""
     lr: float = 1e-3
-    """Peak AdamW learning rate, reached after warmup_steps; in (0, 10)."""
+    """Peak learning rate, reached after warmup_steps; in (0, 10)."""
     weight_decay: float = 0.01
-    """AdamW decoupled weight decay, >= 0."""
+    """Weight decay, >= 0: decoupled for adamw, added to the gradient (L2) for sgd."""
+    momentum: float = 0.9
+    """sgd only: momentum, in [0, 1)."""
+    nesterov: bool = False
+    """sgd only: Nesterov momentum (needs momentum > 0)."""
     beta1: float = 0.9
-    """AdamW first-moment (momentum) decay, in [0, 1)."""
+    """adamw only: first-moment (momentum) decay, in [0, 1)."""
     beta2: float = 0.999
-    """AdamW second-moment decay, in [0, 1)."""
+    """adamw only: second-moment decay, in [0, 1)."""
     warmup_steps: int = 20
     """Steps of linear warmup from 0 to lr; 0 = start at the peak."""
     min_lr_ratio: float = 0.1
@@ -250,6 +320,10 @@ class OptimConfig:
 
     def __post_init__(self) -> None:
         _check_types(self, "optim")
+        _one_of("optim.name", self.name, OPTIMIZERS)
+        _check(0 <= self.momentum < 1, "optim.momentum", self.momentum, "must be in [0, 1)")
+        _check(not self.nesterov or self.momentum > 0, "optim.nesterov", self.nesterov,
+               "needs optim.momentum > 0")
         _check(isinstance(self.lr, (int, float)) and 0 < self.lr < 10, "optim.lr", self.lr,
                "must be in (0, 10)")
         _check(self.weight_decay >= 0, "optim.weight_decay", self.weight_decay, "must be >= 0")
@@ -279,10 +353,18 @@ class TrainConfig:
     """Forces deterministic algorithms (slow cuDNN convolutions on GPU); bitwise resume needs it on."""
     profile_steps: str = ""
     """``START:END`` records a torch.profiler trace of that step window; empty = no profiling."""
+    label_smoothing: float = 0.0
+    """Label smoothing of the training loss, in [0, 1): the target puts this mass evenly on every class.
+    Validation reports the plain cross-entropy."""
+    grad_accum_steps: int = 1
+    """Batches (loader.batch_size per rank each) whose gradients add up to one optimizer step: the step
+    sees grad_accum_steps x the global batch, with one batch's activation memory."""
 
     def __post_init__(self) -> None:
         _check_types(self, "train")
-        _ints(self, "train", max_steps=0, epochs=0, seed=0, eval_every=0, gc_every=1)
+        _check(0 <= self.label_smoothing < 1, "train.label_smoothing", self.label_smoothing,
+               "must be in [0, 1)")
+        _ints(self, "train", max_steps=0, epochs=0, seed=0, eval_every=0, gc_every=1, grad_accum_steps=1)
         _at_most(self, "train", seed=MAX_SEED)
         _check(self.max_steps > 0 or self.epochs > 0, "train.max_steps/train.epochs",
                (self.max_steps, self.epochs), "set max_steps >= 1 or epochs >= 1")

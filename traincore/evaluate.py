@@ -18,7 +18,7 @@ import torch.nn.functional as F
 
 from traincore.data.loader import Normalizer, StagedSplit, eval_batches
 from traincore.data.manifest import StagingError
-from traincore.export import ExportError, load_exported
+from traincore.export import ExportError, add_trust_flags, load_exported, trust_from_args
 
 
 @dataclass
@@ -90,12 +90,13 @@ def resolve_device(device: str | torch.device | None) -> torch.device:
 
 
 def evaluate(model_path: str | Path, data_dir: str | Path, split: str = "test", batch_size: int = 256,
-             device: str | torch.device | None = None) -> EvalResult:
-    """Run the exported model over ``split`` of ``data_dir`` and measure it."""
+             device: str | torch.device | None = None, trust_model: bool | str = False) -> EvalResult:
+    """Run the exported model over ``split`` of ``data_dir`` and measure it. ``trust_model``: True, or the
+    model's import path, allows rebuilding a model of an imported factory (traincore.models.check_trusted)."""
     if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
         raise ValueError(f"batch_size={batch_size} is invalid: it must be >= 1 (--batch-size)")
     device = resolve_device(device)
-    model, meta = load_exported(model_path)
+    model, meta = load_exported(model_path, trust_model)
     _check_meta(meta, model_path)
     data = StagedSplit(data_dir, split)
     _check_compatible(meta, data, model_path)
@@ -132,9 +133,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--split", default="test", help="train | val | test")
     parser.add_argument("--batch-size", type=int, default=256)
     parser.add_argument("--device", default=None, help="default: cuda when available, else cpu")
+    add_trust_flags(parser)
     args = parser.parse_args(argv)
     try:
-        result = evaluate(args.model, args.data, args.split, args.batch_size, args.device)
+        result = evaluate(args.model, args.data, args.split, args.batch_size, args.device,
+                          trust_from_args(args))
     except (ValueError, OSError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2

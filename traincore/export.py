@@ -42,7 +42,7 @@ from traincore.checkpoint import (
 from traincore.config import ModelConfig
 from traincore.files import publish, sha256_file, write_atomically
 from traincore.lineage import LINEAGE_FILE, Lineage, LineageError, with_run
-from traincore.models import build_model, parameter_count
+from traincore.models import ModelImportError, build_model, check_trusted, parameter_count
 
 WEIGHTS_FILE = "model.safetensors"  # the name an export directory holds the weights under
 
@@ -50,6 +50,10 @@ WEIGHTS_FILE = "model.safetensors"  # the name an export directory holds the wei
 class ExportError(ValueError):
     """An export cannot be written, or an exported model is missing or does not match its config; the
     message says what to do."""
+
+
+EXPORT_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+"""What ``--dtype`` stores the floating-point weights as."""
 
 
 @dataclass
@@ -63,6 +67,7 @@ class ExportResult:
     step: int
     num_parameters: int
     lineage: Lineage = field(default_factory=Lineage)  # as written to lineage.json beside the weights
+    dtype: str = "float32"  # of the floating-point weights in the file
 
 
 def config_path_for(path: str | Path) -> Path:
@@ -187,23 +192,36 @@ def lineage_path_for(path: str | Path) -> Path:
     return Path(path).with_name(LINEAGE_FILE)
 
 
-def export(checkpoint: str | Path, output: str | Path, lineage: Lineage | None = None) -> ExportResult:
+def export(checkpoint: str | Path, output: str | Path, lineage: Lineage | None = None,
+           trust_model: bool | str = False, dtype: str = "float32") -> ExportResult:
     """Consolidate the model of ``checkpoint`` into ``output`` (safetensors), its lineage and JSON config.
+
+    ``dtype`` (:data:`EXPORT_DTYPES`): what the floating-point weights are stored as; integer tensors
+    (BatchNorm's step counters) keep theirs. A model loaded from the file computes in float32 again.
+
+    ``trust_model``: True, or the model's import path, allows rebuilding a model of an imported factory
+    (``"<module>:<callable>"``), which runs its module's code (traincore.models.check_trusted).
 
     ``lineage`` holds what the checkpoint cannot know (source fingerprint, staging format, execution id,
     metric summary); the checkpoint's run record and the written weights complete it. Every input is checked
     before anything is written (the output's directory with a probe file); a failure leaves neither the
     model, nor its lineage, nor its config, nor a temporary file behind.
     """
+    if dtype not in EXPORT_DTYPES:
+        raise ExportError(f"dtype {dtype!r} (--dtype) is not one of {', '.join(EXPORT_DTYPES)}: choose one")
     directory = resolve_checkpoint(checkpoint)
     output = _check_output(output, directory)
     verify_checkpoint(directory)
     weights, config, meta = _read(directory)
+    check_trusted(config["model"].get("name", ""), trust_model, f"checkpoint {directory}")
     tmp, config_path, lineage_path = (output.with_name(f".{output.name}.tmp"), config_path_for(output),
                                       lineage_path_for(output))
     try:
         output.parent.mkdir(parents=True, exist_ok=True)
-        save_file({name: tensor.contiguous() for name, tensor in weights.items()}, tmp)
+        cast = EXPORT_DTYPES[dtype]
+        save_file({name: (tensor.to(cast) if tensor.is_floating_point() else tensor).contiguous()
+                   for name, tensor in weights.items()}, tmp)
+        config["dtype"] = dtype
         # The model is rebuilt from the written file, not from memory: what is published is what was proven.
         model = _load(tmp, config, f"checkpoint {directory}")
         _check_forward(model, config, f"checkpoint {directory}")
@@ -227,7 +245,7 @@ def export(checkpoint: str | Path, output: str | Path, lineage: Lineage | None =
     finally:
         tmp.unlink(missing_ok=True)
     return ExportResult(str(output), str(config_path), config["sha256"], num_bytes, config["step"],
-                        config["num_parameters"], lineage)
+                        config["num_parameters"], lineage, dtype)
 
 
 _UNREADABLE = (OSError, RuntimeError, ValueError, KeyError, TypeError, AttributeError, EOFError,
@@ -296,9 +314,10 @@ def _check_forward(model: nn.Module, config: dict, source: str) -> None:
                           f"{expected}: its meta (config, num_classes) does not describe the trained model")
 
 
-def load_exported(path: str | Path) -> tuple[nn.Module, dict]:
+def load_exported(path: str | Path, trust_model: bool | str = False) -> tuple[nn.Module, dict]:
     """The exported model (eval mode) and its JSON config; ExportError naming the file and the fix if either
-    is missing, damaged or not what traincore.export writes, or if the file's sha256 differs."""
+    is missing, damaged or not what traincore.export writes, or if the file's sha256 differs.
+    ``trust_model``: as for :func:`export`; refused before any of the model's code is imported."""
     path, config_path = Path(path), config_path_for(path)
     again = f"export it again: python -m traincore.export --checkpoint DIR --output {path}"
     if path.is_dir():
@@ -311,6 +330,7 @@ def load_exported(path: str | Path) -> tuple[nn.Module, dict]:
         raise ExportError(f"exported model {path} or its config {config_path} is missing: run "
                           f"python -m traincore.export --checkpoint DIR --output {path}")
     config = _read_config(config_path, again)
+    check_trusted(config["model"].get("name", ""), trust_model, f"exported model {path}")
     _check_safetensors(path)
     digest = sha256_file(path)
     if digest != config["sha256"]:
@@ -350,19 +370,37 @@ def _check_safetensors(path: Path) -> None:
                           "model.safetensors written by python -m traincore.export")
 
 
+def add_trust_flags(parser: argparse.ArgumentParser) -> None:
+    """The flags that allow rebuilding a model of an imported factory (traincore.models.check_trusted)."""
+    parser.add_argument("--trust-model-code", action="store_true",
+                        help="allow rebuilding a model whose config names an imported factory "
+                             "(\"<module>:<callable>\"): that module's code runs")
+    parser.add_argument("--model-name", default=None,
+                        help="allow it for this import path only: the model.name the run trained with")
+
+
+def trust_from_args(args: argparse.Namespace) -> bool | str:
+    """What :func:`add_trust_flags`' flags allow: True, an import path, or nothing (False)."""
+    return True if args.trust_model_code else (args.model_name or False)
+
+
 def main(argv: list[str] | None = None) -> int:
     """CLI: export and print one summary line; exit code 2 for a missing or unusable checkpoint."""
     parser = argparse.ArgumentParser(prog="python -m traincore.export", description=__doc__.splitlines()[0])
     parser.add_argument("--checkpoint", required=True, help="a step directory or a checkpoints root")
     parser.add_argument("--output", required=True, help="where to write model.safetensors")
+    parser.add_argument("--dtype", default="float32", choices=list(EXPORT_DTYPES),
+                        help="what the floating-point weights are stored as (default float32)")
+    add_trust_flags(parser)
     args = parser.parse_args(argv)
     try:
-        result = export(args.checkpoint, args.output)
-    except (CheckpointError, ExportError, OSError) as exc:  # OSError: raised outside export's own checks
+        result = export(args.checkpoint, args.output, trust_model=trust_from_args(args), dtype=args.dtype)
+    # OSError: raised outside export's own checks
+    except (CheckpointError, ExportError, ModelImportError, OSError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
-    print(f"exported {result.path} ({result.num_bytes / 1e6:.2f} MB, sha256 {result.sha256[:12]}, "
-          f"step {result.step}, {result.num_parameters:,} parameters)")
+    print(f"exported {result.path} ({result.num_bytes / 1e6:.2f} MB, {result.dtype}, sha256 "
+          f"{result.sha256[:12]}, step {result.step}, {result.num_parameters:,} parameters)")
     return 0
 
 

@@ -45,6 +45,7 @@ class Lineage:
     world_size: int = 0  # training processes
     metrics: dict[str, float] = field(default_factory=dict)  # summary of the run's metric history
     model_sha256: str = ""  # of model.safetensors
+    init_sha256: str = ""  # of the model.init_from file the weights started from; empty: random init
     test_accuracy: float | None = None  # on the test split of the data above, when the model was evaluated
     test_count: int = 0  # samples in that test split
 
@@ -112,12 +113,14 @@ def _git_revision() -> str:
 
 def with_run(base: Lineage, meta: dict, step: int) -> Lineage:
     """``base`` plus what a checkpoint's run record (traincore.train's ``meta``) says about the model: the
-    resolved config and its hashes, the source, the world size and the step, with this code's version."""
+    resolved config and its hashes, the source, the world size, the step and the sha256 of the file its
+    weights started from, with this code's version."""
     config = meta.get("config") or {}
     return replace(base, source=str(meta.get("source") or base.source),
                    data_config_hash=config_hash(config.get("data", {})), config_hash=config_hash(config),
                    config=config, code_version=code_version(), checkpoint_step=int(step),
-                   world_size=int(meta.get("world_size") or base.world_size))
+                   world_size=int(meta.get("world_size") or base.world_size),
+                   init_sha256=str((meta.get("init") or {}).get("sha256", "")))
 
 
 SUMMARY_METRICS = ("steps", "final_loss", "val_accuracy", "samples_per_s", "data_wait_share", "wall_s")

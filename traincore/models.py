@@ -1,11 +1,22 @@
-"""Models by name. Input shape and class count come from the staged manifest; nothing is downloaded."""
+"""Models by name, or from a factory of the user's. Input shape and class count come from the staged
+manifest; nothing is downloaded.
+
+An imported model (model.name ``"<module>:<callable>"``, docs/own-model.md) is built by calling
+``callable(num_classes=..., in_channels=..., image_size=..., **model.kwargs)``. FSDP shards it by
+:func:`default_units` unless its module defines ``shard_units(model) -> list[nn.Module]``.
+"""
 
 from __future__ import annotations
+
+import importlib
+from collections.abc import Callable
+from typing import Any
 
 import torch
 from torch import nn
 
-from traincore.config import ModelConfig
+from traincore.config import ModelConfig, is_imported_model
+from traincore.imports import import_callable
 
 
 class SmallCNN(nn.Module):
@@ -85,6 +96,8 @@ def build_model(cfg: ModelConfig, num_classes: int, shape: tuple[int, int, int],
             torch.manual_seed(seed)
             return build_model(cfg, num_classes, shape)
     channels, height, width = shape
+    if is_imported_model(cfg.name):
+        return _imported(cfg, channels, num_classes, height)
     if cfg.name == "small_cnn":
         return SmallCNN(channels, num_classes, cfg.width, cfg.dropout)
     if cfg.name == "mlp":
@@ -94,9 +107,61 @@ def build_model(cfg: ModelConfig, num_classes: int, shape: tuple[int, int, int],
     return _resnet(cfg.name, channels, num_classes)
 
 
-def shard_units(model: nn.Module) -> list[nn.Module]:
+class ModelImportError(ValueError):
+    """An imported model factory cannot be imported, called or does not return a module; the message names
+    its import path and the fix."""
+
+
+def import_factory(name: str) -> Callable[..., Any]:
+    """The model factory ``"<module>:<callable>"`` names; ModelImportError naming it and the fix."""
+    return import_callable(name, f"model.name={name!r}", ModelImportError)
+
+
+TRUST_FLAGS = "--trust-model-code, or --model-name with that import path"
+
+
+def check_trusted(name: str, trust_model: bool | str, source: str) -> None:
+    """ModelImportError unless rebuilding ``name`` may import code: a built-in model always may; an
+    imported one (``"<module>:<callable>"``) only when ``trust_model`` is True or that same import path.
+    A model file names the code that rebuilds it, and importing that code runs it: as with Hugging Face's
+    ``trust_remote_code``, running it is the user's choice, never the file's."""
+    if is_imported_model(name) and trust_model is not True and trust_model != name:
+        raise ModelImportError(
+            f"{source} was trained with the imported model {name!r}: rebuilding it imports and runs that "
+            f"module's code, which only you can allow: pass {TRUST_FLAGS} ({name})")
+
+
+def _imported(cfg: ModelConfig, in_channels: int, num_classes: int, image_size: int) -> nn.Module:
+    factory = import_factory(cfg.name)
+    arguments = {"num_classes": num_classes, "in_channels": in_channels, "image_size": image_size,
+                 **cfg.kwargs}
+    call = f"{cfg.name}({', '.join(f'{key}={value!r}' for key, value in arguments.items())})"
+    try:
+        model = factory(**arguments)
+    except Exception as exc:  # the factory is the user's code
+        raise ModelImportError(f"model.name={cfg.name!r}: {call} raised {type(exc).__name__}: {exc}: fix the "
+                               "factory or model.kwargs") from exc
+    if not isinstance(model, nn.Module):
+        raise ModelImportError(f"model.name={cfg.name!r}: {call} returned a {type(model).__name__}, not a "
+                               "torch.nn.Module: return the model itself")
+    return model
+
+
+def shard_units(model: nn.Module, name: str = "") -> list[nn.Module]:
     """The blocks FSDP shards one by one (each gathered only while it computes), in forward order:
-    transformer layers, residual stages, conv blocks, linear layers. The root takes the rest."""
+    transformer layers, residual stages, conv blocks, linear layers. The root takes the rest.
+
+    An imported model (``name``: its model.name) gets what its factory's module's ``shard_units(model)``
+    returns when it defines one, else :func:`default_units`."""
+    if is_imported_model(name):
+        hook = getattr(importlib.import_module(name.partition(":")[0]), "shard_units", None)
+        units = list(hook(model)) if callable(hook) else default_units(model)
+        strays = [type(unit).__name__ for unit in units
+                  if not any(unit is module for module in model.modules())]
+        if strays:
+            raise ModelImportError(f"model.name={name!r}: its module's shard_units returned modules that are "
+                                   f"not part of the model ({', '.join(strays)}): return submodules of it")
+        return units
     if isinstance(model, SmallCNN):
         return [m for m in model.features if isinstance(m, nn.Sequential)]
     if isinstance(model, MLP):
@@ -109,6 +174,25 @@ def shard_units(model: nn.Module) -> list[nn.Module]:
         return stages
     raise ValueError(f"{type(model).__name__} has no known blocks to shard: name them in "
                      "traincore.models.shard_units")
+
+
+def default_units(model: nn.Module) -> list[nn.Module]:
+    """How an imported model without a ``shard_units`` of its own is sharded: the blocks of its largest
+    repeated stack (the nn.ModuleList or nn.Sequential with the most parameters among those holding two or
+    more blocks with parameters: transformer layers, residual stages), else its direct children that hold
+    parameters. The root takes the rest. Fewer, larger units gather more at once; a model whose memory
+    matters names its own units."""
+    def holds_parameters(module: nn.Module) -> bool:
+        return any(True for _ in module.parameters())
+
+    def size(module: nn.Module) -> int:
+        return sum(p.numel() for p in module.parameters())
+
+    stacks = [module for module in model.modules() if isinstance(module, (nn.ModuleList, nn.Sequential))
+              and sum(holds_parameters(child) for child in module.children()) >= 2]
+    if stacks:
+        return [child for child in max(stacks, key=size).children() if holds_parameters(child)]
+    return [child for child in model.children() if holds_parameters(child)]
 
 
 def parameter_count(model: nn.Module) -> int:

@@ -11,6 +11,7 @@ import os
 import tempfile
 import uuid
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -24,11 +25,12 @@ from traincore.checkpoint import (
     read_marker,
     step_store,
 )
-from traincore.config import OWN_MODELS, Config, ModelConfig, model_identity
+from traincore.config import OWN_MODELS, Config, ModelConfig, is_imported_model, model_identity
 from traincore.data.manifest import Manifest, verify_staging
 from traincore.dist import resolve_backend
-from traincore.models import build_model
+from traincore.models import ModelImportError, build_model
 from traincore.telemetry.sinks import resolve_wandb_key
+from traincore.warmstart import check, plan, read_init_file
 
 
 def preflight(cfg: Config, data_dir: str | Path, output_dir: str | Path | None = None,
@@ -63,7 +65,11 @@ def preflight(cfg: Config, data_dir: str | Path, output_dir: str | Path | None =
             ensure_writable_dir(root.path, "checkpoint directory", "--checkpoint-dir or checkpoint_uri")
         else:
             ensure_writable_store(root)
-        check_resume(cfg, manifest, root, data_dir)
+        resumed = check_resume(cfg, manifest, root, data_dir)
+    else:
+        resumed = None
+    if cfg.model.init_from and resumed is None:
+        check_init(cfg.model, manifest.num_classes, manifest.shape)
     return manifest
 
 
@@ -123,41 +129,76 @@ def check_model_input(model: ModelConfig, num_classes: int, shape: tuple[int, ..
     sympy (over a second), which a run that fails here, or a launcher that only checks, need not pay.
     The torchvision models run on the meta device: building their tens of millions of real weights
     takes seconds, and importing torchvision has already paid for sympy.
+
+    An imported model (``"<module>:<callable>"``) runs on the meta device too, and on CPU zeros when one
+    of its ops has no meta kernel. Its factory's errors (ModelImportError) propagate as they are: they
+    name its import path.
     """
     shape = tuple(shape)
+    imported = is_imported_model(model.name)
+    device = "cpu" if model.name in OWN_MODELS else "meta"
     try:
-        with torch.device("cpu" if model.name in OWN_MODELS else "meta"), torch.no_grad():
-            built = build_model(model, num_classes, shape)
-            built.train()(torch.zeros(min(batch_size, 2), *shape))
-            logits = built.eval()(torch.zeros(2, *shape))
+        try:
+            logits = _probe(model, num_classes, shape, batch_size, device)
+        except NotImplementedError:
+            if not imported:
+                raise
+            logits = _probe(model, num_classes, shape, batch_size, "cpu")  # an op without a meta kernel
+    except ModelImportError:
+        raise
     except (RuntimeError, ValueError) as exc:
         reason = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        fix = "fix the model" if imported else "choose another model.name"
         raise ValueError(f"model.name={model.name!r} cannot take {data}: samples of shape {shape} in "
                          f"batches of {batch_size} ({reason}); stage the data with a larger "
-                         "data.image_size, raise loader.batch_size, or choose another model.name") from exc
+                         f"data.image_size, raise loader.batch_size, or {fix}") from exc
+    if not isinstance(logits, torch.Tensor):
+        raise ValueError(f"model.name={model.name!r} returns a {type(logits).__name__} for a batch of "
+                         f"{data}, not a tensor of logits: make it return logits of shape (N, {num_classes})")
     if tuple(logits.shape) != (2, num_classes):
+        fix = (f"make it return logits of shape (N, {num_classes})" if imported
+               else "choose another model.name")
         raise ValueError(f"model.name={model.name!r} maps {data} to logits of shape "
-                         f"{tuple(logits.shape)[1:]}, not ({num_classes},): choose another model.name")
+                         f"{tuple(logits.shape)[1:]}, not ({num_classes},): {fix}")
 
 
-def check_resume(cfg: Config, manifest: Manifest, root: Store, data_dir: str | Path) -> None:
+def _probe(model: ModelConfig, num_classes: int, shape: tuple[int, ...], batch_size: int, device: str) -> Any:
+    """Build ``model`` on ``device`` and run it on zeros, in training then eval mode; the eval output."""
+    with torch.device(device), torch.no_grad():
+        built = build_model(model, num_classes, shape)
+        built.train()(torch.zeros(min(batch_size, 2), *shape))
+        return built.eval()(torch.zeros(2, *shape))
+
+
+def check_init(model: ModelConfig, num_classes: int, shape: tuple[int, ...] | list[int]) -> None:
+    """InitError unless model.init_from can be read and fits the model (built on the meta device) as the
+    worker will load it: the same plan and check (traincore.warmstart)."""
+    with torch.device("meta"):
+        built = build_model(model, num_classes, tuple(shape))
+    tensors, digest = read_init_file(model.init_from)
+    shapes = {name: value.shape for name, value in built.state_dict().items()}
+    check(plan(shapes, tensors, model.init_exclude, model.init_from, digest), model.init_strict)
+
+
+def check_resume(cfg: Config, manifest: Manifest, root: Store, data_dir: str | Path) -> int | None:
     """Refuse, before training, a resume the checkpointer would refuse once the workers run: it picks the
     step as the checkpointer does (traincore.checkpoint.choose_step: the newest complete one that passes
     verification, or the one asked for) and refuses one of a format this code cannot read, of another
     model, or of data with other classes, another sample shape or another number of training samples
-    (traincore.checkpoint.check_fit)."""
+    (traincore.checkpoint.check_fit). Returns the step a resume loads, or None for a fresh start."""
     wanted = cfg.checkpoint.resume
     if wanted == "none":
-        return
+        return None
     step = choose_step(root, None if wanted == "latest" else int(wanted), cfg.checkpoint.verify_on_load)
     if step is None:
-        return
+        return None
     directory = step_store(root, step)
     marker = read_marker(directory)
     if not root.local and marker["format"] == "torch_save":
         # Its record sits inside the whole state (state.pt): the checkpointer downloads it once to load it,
         # and refuses it then if it does not fit; reading it here too would download it once more.
-        return
+        return step
     run = RunFit(model_identity(cfg.to_dict()["model"]), list(manifest.classes), list(manifest.shape),
                  manifest.splits["train"].count)
     check_fit(directory, open_saved(directory, marker), run, data=str(data_dir))
+    return step

@@ -20,7 +20,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="python -m traincore.stage", description=__doc__.splitlines()[0])
     defaults = DataConfig()
     parser.add_argument("--source", required=True,
-                        help="digits | synthetic | imagefolder:<path-or-URI> (file://, s3://, gs://...)")
+                        help="digits | synthetic | imagefolder:<path-or-URI> (file://, s3://, gs://...) | "
+                             "python:<module>:<callable> (a dataset factory of yours)")
     parser.add_argument("--output", required=True, help="directory to create (published atomically)")
     parser.add_argument("--image-size", type=int, default=defaults.image_size, help="square side in pixels")
     parser.add_argument("--channels", type=int, default=defaults.channels, choices=(1, 3))

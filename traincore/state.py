@@ -167,9 +167,12 @@ class RunMeta:
         return dict(self.meta)
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        # Nothing to restore: the record is this run's own. Whether a saved one fits the run is decided,
-        # for every member at once, before any is loaded (traincore.checkpoint.check_fit).
-        pass
+        # The record is this run's own, but for where the weights started: the run that began them loaded
+        # model.init_from (traincore.warmstart), and a resumed run carries that on. Whether a saved record
+        # fits the run is decided before any member is loaded (traincore.checkpoint.check_fit).
+        self.meta.pop("init", None)
+        if "init" in state:
+            self.meta["init"] = state["init"]
 
 
 class StateRegistry:

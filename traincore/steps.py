@@ -9,7 +9,7 @@ from __future__ import annotations
 import math
 import random
 from collections.abc import Callable, Iterator
-from contextlib import nullcontext
+from contextlib import contextmanager, nullcontext
 
 import numpy as np
 import torch
@@ -26,8 +26,9 @@ class NonFiniteLossError(RuntimeError):
 
 
 def total_steps(cfg: Config, steps_per_epoch: int) -> int:
-    """``train.max_steps`` when set, else ``train.epochs`` full epochs."""
-    return cfg.train.max_steps or cfg.train.epochs * steps_per_epoch
+    """Optimizer steps to train: ``train.max_steps``, else ``train.epochs`` passes of ``steps_per_epoch``
+    batches, ``train.grad_accum_steps`` batches to a step."""
+    return cfg.train.max_steps or cfg.train.epochs * max(1, steps_per_epoch // cfg.train.grad_accum_steps)
 
 
 def warmup_cosine(cfg: Config, steps: int):
@@ -50,23 +51,32 @@ def seed_everything(seed: int) -> None:
     torch.manual_seed(seed)
 
 
-def train_step(model: nn.Module, optimizer: torch.optim.Optimizer, scheduler, batch: Batch,
+def train_step(model: nn.Module, optimizer: torch.optim.Optimizer, scheduler, micro_batches: list[Batch],
                cfg: Config, before_update: Callable[[], None] | None = None) -> torch.Tensor:
-    """Forward, backward, finite check, clip, optimizer and LR step. Returns the detached loss.
+    """Forward and backward of every micro-batch (``train.grad_accum_steps`` of them), finite check, clip,
+    optimizer and LR step. Returns the detached loss, the mean over the micro-batches.
+
+    Each micro-batch's loss is divided by their count, so the summed gradients are those of one batch of all
+    their samples. Ranks synchronise gradients only in the last backward (DDP's ``no_sync``, FSDP2's
+    ``set_requires_gradient_sync``): one all-reduce per step, as without accumulation.
 
     ``before_update`` runs right before ``optimizer.step()``, the first moment the step writes to the
     weights: work that reads them in the background (an async checkpoint's copy) overlaps the forward and
     backward, and is waited for there.
     """
-    images, labels = batch
-    device = images.device
+    device = micro_batches[0][0].device
     bf16 = device.type == "cuda" and cfg.train.bf16
-    # Entering a disabled autocast still costs a context switch of dispatch state on every step.
-    with torch.autocast(device.type, dtype=torch.bfloat16) if bf16 else nullcontext():
-        logits = model(images)
-        loss = F.cross_entropy(logits.float(), labels)
-    del logits  # frees the activations' last reference before backward allocates gradients
-    loss.backward()
+    losses = []
+    for index, (images, labels) in enumerate(micro_batches):
+        with gradient_sync(model, index == len(micro_batches) - 1):
+            # Entering a disabled autocast still costs a context switch of dispatch state on every step.
+            with torch.autocast(device.type, dtype=torch.bfloat16) if bf16 else nullcontext():
+                logits = model(images)
+                loss = F.cross_entropy(logits.float(), labels, label_smoothing=cfg.train.label_smoothing)
+            del logits  # frees the activations' last reference before backward allocates gradients
+            (loss / len(micro_batches) if len(micro_batches) > 1 else loss).backward()
+        losses.append(loss.detach())
+    loss = losses[0] if len(losses) == 1 else torch.stack(losses).mean()
     # The gradient norm is global after DDP's all-reduce, so every rank takes the same decision here.
     norm = nn.utils.clip_grad_norm_(model.parameters(), cfg.optim.grad_clip or float("inf"))
     # Under FSDP the norm is a DTensor over every rank's shards: the same global figure once made whole.
@@ -80,7 +90,26 @@ def train_step(model: nn.Module, optimizer: torch.optim.Optimizer, scheduler, ba
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
     scheduler.step()
-    return loss.detach()
+    return loss
+
+
+@contextmanager
+def gradient_sync(model: nn.Module, enabled: bool) -> Iterator[None]:
+    """Around one backward: ranks all-reduce (DDP) or reduce-scatter (FSDP2) its gradients only when
+    ``enabled``; otherwise they accumulate locally. A model of one process has nothing to synchronise."""
+    if enabled:
+        yield
+    elif hasattr(model, "no_sync"):  # DistributedDataParallel
+        with model.no_sync():
+            yield
+    elif hasattr(model, "set_requires_gradient_sync"):  # FSDP2's fully_shard
+        model.set_requires_gradient_sync(False)
+        try:
+            yield
+        finally:
+            model.set_requires_gradient_sync(True)
+    else:
+        yield
 
 
 @torch.no_grad()

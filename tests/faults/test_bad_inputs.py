@@ -37,7 +37,7 @@ from faultlib import TINY, child_env, torchrun
 import traincore.evaluate
 import traincore.export
 import traincore.stage
-import traincore.train
+import traincore.train_cli
 from tasks.launch import train_task_for
 from tasks.plan import plan_run
 from tasks.stage import stage_dataset
@@ -512,7 +512,7 @@ CASES = [
     Case("workflow-wrong-input-type", "workflow", lambda e: dict(epochs="3"),
          ("Failed argument 'epochs'",), ("Expected value of type <class 'int'>",)),
 ]
-CLIS = {"stage": traincore.stage.main, "train": traincore.train.main, "export": traincore.export.main,
+CLIS = {"stage": traincore.stage.main, "train": traincore.train_cli.main, "export": traincore.export.main,
         "evaluate": traincore.evaluate.main}
 
 

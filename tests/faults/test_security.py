@@ -60,7 +60,7 @@ REPO = Path(__file__).resolve().parents[2]
 TRAIN_AND_EXPORT = """
 import sys
 from traincore.export import main as export
-from traincore.train import main as train
+from traincore.train_cli import main as train
 split = sys.argv.index("--")
 sys.exit(train(sys.argv[1:split]) or export(sys.argv[split + 1:]))
 """

@@ -42,7 +42,9 @@ def test_config_error_is_a_value_error():
 @pytest.mark.parametrize(("source", "message"), [
     ("mnist", "is unknown"),
     ("imagefolder", "needs a location"),
-    ("digits:/tmp/x", "only 'imagefolder' takes"),
+    ("digits:/tmp/x", "only 'imagefolder' and 'python' take"),
+    ("python", "needs a location: write 'python:<module>:<callable>'"),
+    ("python:my data:build", "is not '<module>:<callable>'"),
 ])
 def test_bad_sources(source, message):
     with pytest.raises(ConfigError, match=message) as info:

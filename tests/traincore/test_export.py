@@ -70,6 +70,29 @@ def test_export_matches_the_trained_model(tmp_path, mode):
         assert torch.equal(exported(x), model.eval()(x))
 
 
+@pytest.mark.parametrize("dtype, cast", [("bfloat16", torch.bfloat16), ("float16", torch.float16)])
+def test_export_stores_the_weights_in_the_dtype_asked_for(tmp_path, dtype, cast):
+    model = trained_checkpoint(tmp_path / "checkpoints", "sync")
+    full = export(tmp_path / "checkpoints", tmp_path / "full" / "model.safetensors")
+    half = export(tmp_path / "checkpoints", tmp_path / "half" / "model.safetensors", dtype=dtype)
+    from safetensors.torch import load_file
+
+    stored = load_file(half.path)
+    floats = {name for name, tensor in model.state_dict().items() if tensor.is_floating_point()}
+    assert {name for name, tensor in stored.items() if tensor.dtype == cast} == floats
+    assert stored["features.0.1.num_batches_tracked"].dtype == torch.int64  # integers keep theirs
+    assert half.dtype == dtype and json.loads(Path(half.config_path).read_text())["dtype"] == dtype
+    assert half.num_bytes < full.num_bytes
+    exported, _ = load_exported(half.path)  # computes in float32, within the cast's rounding
+    x = torch.randn(5, *SHAPE)
+    with torch.no_grad():
+        reference = model.eval()(x)
+        assert torch.allclose(exported(x), reference, atol=0.1 * reference.abs().max().item())
+    with pytest.raises(ExportError, match=r"dtype 'int8' \(--dtype\) is not one of float32, bfloat16"):
+        export(tmp_path / "checkpoints", tmp_path / "bad" / "model.safetensors", dtype="int8")
+    assert not (tmp_path / "bad").exists()
+
+
 def test_export_from_a_step_directory(tmp_path):
     trained_checkpoint(tmp_path, "sync", steps=2)
     assert export(step_dir(tmp_path, 2), tmp_path / "m.safetensors").step == 2

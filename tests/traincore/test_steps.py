@@ -47,7 +47,7 @@ def test_non_finite_loss_stops_before_the_optimizer_step():
     before = {k: v.clone() for k, v in model.state_dict().items()}
     batch = (torch.randn(5, 4), torch.tensor([0, 1, 2, 0, 1]))
     with pytest.raises(NonFiniteLossError, match="step 1.*lower optim.lr"):
-        train_step(model, optimizer, scheduler, batch, debug())
+        train_step(model, optimizer, scheduler, [batch], debug())
     for name, value in model.state_dict().items():
         assert torch.equal(value, before[name]), name
 
@@ -56,7 +56,7 @@ def test_train_step_updates_weights_and_lr():
     model = nn.Sequential(nn.Flatten(), nn.Linear(4, 3))
     model, optimizer, scheduler = _parts(model)
     before = model[1].weight.clone()
-    loss = train_step(model, optimizer, scheduler, (torch.randn(5, 4), torch.tensor([0, 1, 2, 0, 1])),
+    loss = train_step(model, optimizer, scheduler, [(torch.randn(5, 4), torch.tensor([0, 1, 2, 0, 1]))],
                       debug())
     assert loss.ndim == 0 and not loss.requires_grad
     assert not torch.equal(before, model[1].weight)
@@ -74,10 +74,10 @@ def test_before_update_runs_once_per_step_right_before_the_weights_change():
         seen.append((model[1].weight.clone(), model[1].weight.grad is not None))
 
     batch = (torch.randn(5, 4), torch.tensor([0, 1, 2, 0, 1]))
-    train_step(model, optimizer, scheduler, batch, debug(), before_update=before_update)
+    train_step(model, optimizer, scheduler, [batch], debug(), before_update=before_update)
     assert len(seen) == 1 and seen[0][1]
     assert torch.equal(seen[0][0], initial)
-    train_step(model, optimizer, scheduler, batch, debug(), before_update=before_update)
+    train_step(model, optimizer, scheduler, [batch], debug(), before_update=before_update)
     assert len(seen) == 2 and not torch.equal(seen[1][0], initial)
 
 
@@ -85,6 +85,6 @@ def test_before_update_is_not_reached_when_the_loss_is_not_finite():
     model, optimizer, scheduler = _parts(_Poisoned())
     calls = []
     with pytest.raises(NonFiniteLossError):
-        train_step(model, optimizer, scheduler, (torch.randn(5, 4), torch.tensor([0, 1, 2, 0, 1])), debug(),
+        train_step(model, optimizer, scheduler, [(torch.randn(5, 4), torch.tensor([0, 1, 2, 0, 1]))], debug(),
                    before_update=lambda: calls.append(1))
     assert calls == []

@@ -4,6 +4,9 @@ A fingerprint reads ``<kind>:sha256:<32 hex digits>``; equal fingerprints mean t
 
 - digits: the arrays scikit-learn's bundled copy loads (hashed once per process);
 - synthetic: the generator's inputs in the DataConfig (the images are a pure function of them);
+- python:<module>:<callable>: the import path, the dataset's length and class names, and the first,
+  middle and last items as staged (pixels and labels). Reading every item would cost a staging; a change
+  that leaves those three items and the length as they were goes unseen (stage with ``--overwrite``);
 - imagefolder: the listing (traincore.data.imagefolder.list_images): class names, then each image's path
   relative to the root, size, and ETag or modification time. No image is opened: on an object store the
   cost is one request per listing page, not one per image. The listing is bounded (MAX_LISTED_FILES) and
@@ -23,6 +26,7 @@ from collections.abc import Callable
 
 from traincore.config import DataConfig, parse_source
 from traincore.data.imagefolder import ImageListing, list_images
+from traincore.data.pysource import dataset_classes, load_item, open_dataset
 from traincore.data.sources import check_synthetic
 
 log = logging.getLogger(__name__)
@@ -42,6 +46,8 @@ def source_fingerprint(cfg: DataConfig, *, progress: Callable[[str], None] = log
         return digits_fingerprint()
     if kind == "synthetic":
         return synthetic_fingerprint(cfg)
+    if kind == "python":
+        return python_fingerprint(location, cfg)
     return listing_fingerprint(list_images(location, progress=progress, storage_options=storage_options))
 
 
@@ -72,6 +78,17 @@ def listing_fingerprint(listing: ImageListing) -> str:
     for image in listing.files:  # one JSON array per line: no name can run into the next field
         hasher.update(json.dumps([image.name, image.size, image.version]).encode() + b"\n")
     return _format("imagefolder", hasher)
+
+
+def python_fingerprint(path: str, cfg: DataConfig) -> str:
+    """A dataset factory's identity: its import path, length and class names, and three of its items as
+    staged (see the module docstring for what that cannot see)."""
+    count = len(open_dataset(path))
+    hasher = hashlib.sha256(json.dumps([path, count, dataset_classes(path)]).encode())
+    for index in sorted({0, count // 2, count - 1}):
+        pixels, label = load_item(path, index, cfg.image_size, cfg.channels)
+        hasher.update(pixels.tobytes() + label.to_bytes(8, "little"))
+    return _format("python", hasher)
 
 
 def _format(kind: str, hasher) -> str:

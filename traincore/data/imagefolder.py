@@ -22,7 +22,7 @@ progress line is reported every PROGRESS_EVERY files.
 
 Dot-files and dot-directories (.DS_Store, ._<name>, .ipynb_checkpoints/, .git/) are skipped everywhere: not
 listed, not classes, not in the fingerprint. Every image is converted to 8-bit RGB or greyscale
-(:func:`_convert`: palette, CMYK, alpha and 16-bit images included); 32-bit images are refused, naming the
+(:func:`convert`: palette, CMYK, alpha and 16-bit images included); 32-bit images are refused, naming the
 file.
 An object store that finds no credentials fails the listing with a StagingError naming the location and the
 settings to make (CREDENTIALS_FIX).
@@ -193,15 +193,22 @@ def _version(info: dict) -> str:
 def assign_splits(files: list[ImageFile], cfg: DataConfig) -> dict[str, list[ImageFile]]:
     """Each image's split from the hash of its name and the seed (see the module docstring), in order of
     that hash; a held-out split nothing hashes into takes the train image nearest to it."""
-    ranked = sorted((_position(f.name, cfg.seed), f) for f in files)
+    indices = split_indices([f.name for f in files], cfg)
+    return {split: [files[i] for i in picked] for split, picked in indices.items()}
+
+
+def split_indices(names: list[str], cfg: DataConfig) -> dict[str, list[int]]:
+    """:func:`assign_splits` over items known by ``names`` (their identities): the indices of each split's
+    items, in order of their hash."""
+    ranked = sorted((_position(name, cfg.seed), index) for index, name in enumerate(names))
     test, held_out = cfg.test_fraction, cfg.test_fraction + cfg.val_fraction
-    splits: dict[str, list[ImageFile]] = {split: [] for split in SPLITS}
-    for u, image in ranked:
-        splits["test" if u < test else "val" if u < held_out else "train"].append(image)
+    splits: dict[str, list[int]] = {split: [] for split in SPLITS}
+    for u, index in ranked:
+        splits["test" if u < test else "val" if u < held_out else "train"].append(index)
     for split, fraction in (("test", cfg.test_fraction), ("val", cfg.val_fraction)):
         if fraction > 0 and not splits[split]:
             if len(splits["train"]) < 2:
-                raise StagingError(f"{len(files)} images leave no training split with val_fraction="
+                raise StagingError(f"{len(names)} images leave no training split with val_fraction="
                                    f"{cfg.val_fraction} and test_fraction={cfg.test_fraction}: add images "
                                    "or lower the fractions")
             splits[split].append(splits["train"].pop(0))
@@ -235,7 +242,7 @@ def _containment(fs, root: str, location: str):
 
 
 def _decode(path: str, size: int, channels: int, storage_options: dict) -> np.ndarray:
-    """Decode one image (:func:`_convert`), resize its shorter side to ``size``, centre-crop to size x size;
+    """Decode one image (:func:`convert`), resize its shorter side to ``size``, centre-crop to size x size;
     CHW uint8."""
     import fsspec
     from PIL import Image, UnidentifiedImageError
@@ -243,10 +250,18 @@ def _decode(path: str, size: int, channels: int, storage_options: dict) -> np.nd
     try:
         with fsspec.open(path, "rb", **storage_options) as handle:
             image = Image.open(io.BytesIO(handle.read()))
-            image = _convert(image, "RGB" if channels == 3 else "L", path)
+            image = convert(image, "RGB" if channels == 3 else "L", path)
     except (UnidentifiedImageError, OSError, ValueError) as exc:
         raise StagingError(f"cannot read image {path}: {exc}. Remove or replace the file and stage "
                            "again") from exc
+    return fit(image, size, channels)
+
+
+def fit(image, size: int, channels: int) -> np.ndarray:
+    """A PIL image already in its staging mode, its shorter side resized to ``size`` (bilinear) and
+    centre-cropped to size x size; CHW uint8."""
+    from PIL import Image
+
     scale = size / min(image.size)
     width, height = max(size, round(image.width * scale)), max(size, round(image.height * scale))
     image = image.resize((width, height), Image.BILINEAR)
@@ -255,7 +270,7 @@ def _decode(path: str, size: int, channels: int, storage_options: dict) -> np.nd
     return array[None] if channels == 1 else array.transpose(2, 0, 1)
 
 
-def _convert(image, mode: str, path: str):
+def convert(image, mode: str, path: str):
     """``image`` in ``mode`` ("RGB" or "L") with 8-bit channels.
 
     16-bit greyscale (Pillow's I;16 modes) is scaled to 8 bits (Pillow's own conversion would clip every
@@ -279,55 +294,56 @@ def _convert(image, mode: str, path: str):
     return image.convert(mode)
 
 
-def _decode_chunk(paths: list[str], size: int, channels: int, storage_options: dict) -> np.ndarray:
-    return np.stack([_decode(p, size, channels, storage_options) for p in paths])
+def _decode_chunk(paths: list[str], labels: np.ndarray, size: int, channels: int,
+                  storage_options: dict) -> tuple[np.ndarray, np.ndarray]:
+    return np.stack([_decode(p, size, channels, storage_options) for p in paths]), labels
 
 
 def imagefolder_source(listing: ImageListing, cfg: DataConfig, storage_options: dict | None = None) -> Source:
     """Class names, image count and the (split, images, labels) chunk stream for a listed ImageFolder tree;
     only the listed files are read, through fsspec with ``storage_options`` (as listed)."""
     options = storage_options or {}
-    splits = assign_splits(listing.files, cfg)
-    workers = cfg.decode_workers or os.cpu_count() or 1
     per_task = chunk_images(cfg.channels * cfg.image_size ** 2, CHUNK)
+    jobs = []
+    for split, picked in assign_splits(listing.files, cfg).items():
+        for lo in range(0, len(picked), per_task):
+            part = picked[lo:lo + per_task]
+            labels = np.array([f.label for f in part], dtype=np.int64)
+            jobs.append((split, ([f.path for f in part], labels, cfg.image_size, cfg.channels, options)))
+    return Source(listing.classes, len(listing.files), decoded_chunks(jobs, _decode_chunk, cfg, per_task))
+
+
+def decoded_chunks(jobs: list[tuple[str, tuple]], decode: Callable[..., tuple[np.ndarray, np.ndarray]],
+                   cfg: DataConfig, per_task: int) -> Iterator[Chunk]:
+    """The (split, images, labels) of ``decode(*args)`` for each ``(split, args)`` job, in job order, run in
+    ``cfg.decode_workers`` processes (a module-level ``decode`` and picklable args) with a bounded window of
+    tasks in flight: deterministic whatever the worker count, and at most IN_FLIGHT_BYTES of decoded pixels
+    wait for the writer."""
+    workers = cfg.decode_workers or os.cpu_count() or 1
     ahead = max(2, min(2 * workers, IN_FLIGHT_BYTES // (per_task * cfg.channels * cfg.image_size ** 2)))
-
-    def chunks() -> Iterator[Chunk]:
-        jobs = []
-        for split, picked in splits.items():
-            for lo in range(0, len(picked), per_task):
-                part = picked[lo:lo + per_task]
-                labels = np.array([f.label for f in part], dtype=np.int64)
-                jobs.append((split, [f.path for f in part], labels))
-        if workers == 1:
-            for split, paths, labels in jobs:
-                yield split, _decode_chunk(paths, cfg.image_size, cfg.channels, options), labels
-            return
-        with ProcessPoolExecutor(max_workers=min(workers, ahead)) as pool:
-            # A bounded window of tasks, taken in submission order: the output is deterministic whatever
-            # the worker count, and at most ``ahead`` decoded chunks wait for the writer.
-            pending: deque = deque()
-            queue = iter(jobs)
-            try:
-                for split, paths, labels in queue:
-                    pending.append((split, labels, pool.submit(_decode_chunk, paths, cfg.image_size,
-                                                               cfg.channels, options)))
-                    if len(pending) >= ahead:
-                        break
-                while pending:
-                    split, labels, future = pending.popleft()
-                    images = future.result()
-                    job = next(queue, None)
-                    if job is not None:
-                        pending.append((job[0], job[2], pool.submit(_decode_chunk, job[1], cfg.image_size,
-                                                                    cfg.channels, options)))
-                    yield split, images, labels
-            except BrokenProcessPool as exc:
-                raise StagingError(f"a decode process died while staging {cfg.source!r} (killed, most likely "
-                                   "out of memory): lower data.decode_workers or data.image_size, or give "
-                                   "the stage more memory") from exc
-            finally:
-                for _, _, future in pending:
-                    future.cancel()
-
-    return Source(listing.classes, len(listing.files), chunks())
+    if workers == 1:
+        for split, args in jobs:
+            yield split, *decode(*args)
+        return
+    with ProcessPoolExecutor(max_workers=min(workers, ahead)) as pool:
+        pending: deque = deque()
+        queue = iter(jobs)
+        try:
+            for split, args in queue:
+                pending.append((split, pool.submit(decode, *args)))
+                if len(pending) >= ahead:
+                    break
+            while pending:
+                split, future = pending.popleft()
+                images, labels = future.result()
+                job = next(queue, None)
+                if job is not None:
+                    pending.append((job[0], pool.submit(decode, *job[1])))
+                yield split, images, labels
+        except BrokenProcessPool as exc:
+            raise StagingError(f"a decode process died while staging {cfg.source!r} (killed, most likely "
+                               "out of memory): lower data.decode_workers or data.image_size, or give the "
+                               "stage more memory") from exc
+        finally:
+            for _, future in pending:
+                future.cancel()

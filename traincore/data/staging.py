@@ -39,6 +39,8 @@ from traincore.data.manifest import (
     StagingError,
     verify_staging,
 )
+from traincore.data.progress import ProgressMeter
+from traincore.data.pysource import python_source
 from traincore.data.sources import BAND, Source, digits_source, synthetic_source
 from traincore.files import publish_directory, write_durably
 
@@ -54,6 +56,8 @@ def open_source(cfg: DataConfig, progress: Callable[[str], None] = log.info,
     if kind == "imagefolder":
         listing = list_images(location, progress=progress, storage_options=storage_options)
         return imagefolder_source(listing, cfg, storage_options), listing_fingerprint(listing)
+    if kind == "python":
+        return python_source(location, cfg), source_fingerprint(cfg)
     source = digits_source(cfg) if kind == "digits" else synthetic_source(cfg)
     return source, source_fingerprint(cfg)
 
@@ -136,9 +140,11 @@ def _channel_moments(images: np.ndarray) -> tuple[list[int], list[int]]:
     return sums, squares
 
 
-def _write_all(tmp: Path, cfg: DataConfig, source: Source, fingerprint: str) -> Manifest:
+def _write_all(tmp: Path, cfg: DataConfig, source: Source, fingerprint: str,
+               progress: Callable[[str], None]) -> Manifest:
     writers = {split: _ShardWriter(tmp, split, cfg.samples_per_shard) for split in SPLITS}
     sums, squares, pixels = [0] * cfg.channels, [0] * cfg.channels, 0
+    meter = ProgressMeter(source.count, progress)
     try:
         for split, images, labels in source.chunks:
             if split == "train":
@@ -147,8 +153,10 @@ def _write_all(tmp: Path, cfg: DataConfig, source: Source, fingerprint: str) -> 
                 squares = [a + b for a, b in zip(squares, chunk_squares, strict=True)]
                 pixels += images.shape[0] * images.shape[2] * images.shape[3]
             writers[split].write(images, labels)
+            meter.advance(len(labels))
         splits = {split: w.close() for split, w in writers.items()}
     finally:
+        meter.close()
         for writer in writers.values():
             writer.discard()
     mean = np.array(sums, dtype=np.float64) / (255.0 * max(pixels, 1))
@@ -169,7 +177,8 @@ def stage(cfg: DataConfig, output: str | Path, overwrite: bool = False, *, repla
     the file); one of an earlier state of the source (another fingerprint) is staged again in its place.
     Anything else already at ``output`` is an error unless ``overwrite`` is set, or ``replace_unusable``
     (for callers that own ``output``, such as the stage task's cache directory): then an unreadable or
-    different staging there is replaced. ``progress`` gets the imagefolder listing's progress lines;
+    different staging there is replaced. ``progress`` gets the imagefolder listing's progress lines and,
+    away from a terminal, the staging's (:class:`~traincore.data.progress.ProgressMeter`);
     ``storage_options`` are the fsspec options an imagefolder is read with (see :func:`open_source`).
     """
     output = Path(output)
@@ -187,7 +196,7 @@ def stage(cfg: DataConfig, output: str | Path, overwrite: bool = False, *, repla
     except OSError as exc:
         raise _os_error(exc, output, tmp, setup=True) from exc
     try:
-        manifest = _write_all(tmp, cfg, source, fingerprint)
+        manifest = _write_all(tmp, cfg, source, fingerprint, progress)
         _publish(tmp, output, manifest)
     except BaseException as exc:
         shutil.rmtree(tmp, ignore_errors=True)

@@ -20,7 +20,8 @@ from traincore.checkpoint import (
     step_store,
 )
 from traincore.checkpoint.format import SavedState
-from traincore.config import CheckpointConfig
+from traincore.config import CheckpointConfig, LoaderConfig
+from traincore.data.loader import StagedLoader, StagedSplit
 from traincore.data.manifest import Manifest
 from traincore.preflight import check_resume
 from traincore.presets import debug
@@ -51,6 +52,21 @@ def test_a_record_left_out_fits_anything(tmp_path):
     with pytest.raises(CheckpointError, match="saved by a run over 10 training samples, but data/ has 12"):
         check_fit(directory, SavedState(1, {"loader": {"num_samples": 10}}, [], {}),
                   RunFit(None, None, None, 12), data="data/")
+
+
+def test_a_loader_position_in_a_split_of_another_size_is_refused(synthetic_dir, tmp_path):
+    """The loader's place in the epoch carries over only between splits of one size: a checkpoint of the
+    80-sample train split does not load into a run over the 10-sample val split."""
+    def registry(split: str) -> StateRegistry:
+        registry = StateRegistry()
+        loader = StagedLoader(StagedSplit(synthetic_dir, split), LoaderConfig(batch_size=2, num_workers=0))
+        registry.register("loader", loader)
+        return registry
+
+    Checkpointer(tmp_path, CheckpointConfig(), registry("train")).save(1)
+    with pytest.raises(CheckpointError, match="saved by a run over 80 training samples, but this run's data "
+                                              "has 10"):
+        Checkpointer(tmp_path, CheckpointConfig(), registry("val")).load()
 
 
 def _damage(directory) -> None:
