@@ -106,9 +106,9 @@ def test_profile_window():
     assert C.TrainConfig().profile_window() is None
 
 
-WRONG_TYPE = {"bool": "no", "int": "8", "float": "0.5", "str": 5}
+WRONG_TYPE = {"bool": "no", "int": "8", "float": "0.5", "str": 5, "dict": "{}", "list": "fc.*"}
 EXPECTED = {"bool": "expected true or false", "int": "expected an integer", "float": "expected a number",
-            "str": "expected a string"}
+            "str": "expected a string", "dict": "expected a JSON object", "list": "expected a JSON list"}
 FIELDS = [(section, spec.name, spec.type) for section, cls in C._SECTIONS.items()
           for spec in dataclasses.fields(cls)]
 
