@@ -50,7 +50,7 @@ replay: install
 		--input backend=kubernetes --input nnodes=2 --input nproc_per_node=1
 
 lint: install-dev
-	$(BIN)/ruff check traincore tasks workflows replay tests bench
+	$(BIN)/ruff check traincore tasks workflows replay tests bench examples
 
 # The config table of docs/config.md, generated from the field docstrings in traincore/config.py.
 docs: install

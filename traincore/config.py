@@ -222,10 +222,18 @@ class LoaderConfig:
     """Probe num_workers x prefetch_factor on the real data before training and keep the fastest."""
     eval_batch_size: int = 256
     """Samples per batch in validation and test evaluation (no gradients, so it can exceed batch_size)."""
+    random_resized_crop: bool = False
+    """Augment training batches on the device: crop a random box of [crop_scale, 1] of the area and aspect
+    ratio in [3/4, 4/3], resized back to the staged size (torchvision's RandomResizedCrop)."""
+    crop_scale: float = 0.08
+    """Smallest area fraction random_resized_crop keeps, in (0, 1]."""
+    horizontal_flip: bool = False
+    """Augment training batches on the device: mirror half of the images left to right."""
 
     def __post_init__(self) -> None:
         _check_types(self, "loader")
         _ints(self, "loader", batch_size=1, num_workers=0, prefetch_factor=1, eval_batch_size=1)
+        _check(0 < self.crop_scale <= 1, "loader.crop_scale", self.crop_scale, "must be in (0, 1]")
 
 
 @dataclass

@@ -62,17 +62,19 @@ def vit_tiny() -> Config:
 
 
 def imagenet_like() -> Config:
-    """ResNet-50 at 224x224 on an ImageFolder: a GPU preset with async checkpoints and workers.
+    """ResNet-50 at 224x224 on an ImageFolder: a GPU preset with async checkpoints and workers, random
+    resized crops, horizontal flips and label smoothing (torchvision's classification reference).
 
     ``deterministic=False``: deterministic algorithms force slow cuDNN convolutions, and bitwise resume
     is not worth that price on a GPU run of this size.
     """
     return Config(
         data=DataConfig(source="imagefolder:./data/imagenet", image_size=224, channels=3),
-        loader=LoaderConfig(batch_size=128, num_workers=8, prefetch_factor=4),
+        loader=LoaderConfig(batch_size=128, num_workers=8, prefetch_factor=4, random_resized_crop=True,
+                            horizontal_flip=True),
         model=ModelConfig(name="resnet50", compile=True),
         optim=OptimConfig(lr=1e-3, weight_decay=0.05, warmup_steps=2000),
-        train=TrainConfig(epochs=90, max_steps=0, eval_every=5000, deterministic=False),
+        train=TrainConfig(epochs=90, max_steps=0, eval_every=5000, deterministic=False, label_smoothing=0.1),
         checkpoint=CheckpointConfig(mode="async", every=2000),
         telemetry=TelemetryConfig(log_every=50),
     )

@@ -22,10 +22,10 @@ from traincore.config import ConfigError, ModelConfig, model_identity
 from traincore.models import ModelImportError, build_model, check_trusted, default_units, shard_units
 from traincore.preflight import check_model_input
 
-FACTORY = "teamnet.models:build"
+FACTORY = "acmenet.models:build"
 PACKAGE = {
-    "teamnet/__init__.py": "",
-    "teamnet/models.py": '''
+    "acmenet/__init__.py": "",
+    "acmenet/models.py": '''
         from torch import nn
 
 
@@ -57,15 +57,15 @@ PACKAGE = {
         def wrong_head(num_classes, in_channels, image_size):
             return build(num_classes + 1, in_channels, image_size)
         ''',
-    "teamnet/hooked.py": '''
-        from teamnet.models import build
+    "acmenet/hooked.py": '''
+        from acmenet.models import build
 
 
         def shard_units(model):
             return [model.stem, *model.blocks]
         ''',
-    "teamnet/broken.py": "import a_module_that_is_not_installed\n",
-    "teamnet/data.py": '''
+    "acmenet/broken.py": "import a_module_that_is_not_installed\n",
+    "acmenet/data.py": '''
         import numpy as np
         from sklearn.datasets import load_digits
 
@@ -102,14 +102,14 @@ def package(tmp_path, monkeypatch) -> Path:
     monkeypatch.syspath_prepend(str(root))
     monkeypatch.setenv("PYTHONPATH", os.pathsep.join(filter(None, [str(root), os.environ.get("PYTHONPATH")])))
     yield root
-    for name in [m for m in sys.modules if m == "teamnet" or m.startswith("teamnet.")]:
+    for name in [m for m in sys.modules if m == "acmenet" or m.startswith("acmenet.")]:
         del sys.modules[name]
 
 
 def test_the_name_and_kwargs_are_checked_where_the_config_is_built():
     assert ModelConfig(name=FACTORY, kwargs={"hidden": 8}).kwargs == {"hidden": 8}
-    with pytest.raises(ConfigError, match=r"model.name='teamnet models' is invalid: .*<module>:<callable>"):
-        ModelConfig(name="teamnet models")
+    with pytest.raises(ConfigError, match=r"model.name='acmenet models' is invalid: .*<module>:<callable>"):
+        ModelConfig(name="acmenet models")
     with pytest.raises(ConfigError, match="num_classes come from the staged data"):
         ModelConfig(name=FACTORY, kwargs={"num_classes": 3})
     with pytest.raises(ConfigError, match="resnet18 takes none"):
@@ -125,11 +125,11 @@ def test_preflight_names_the_import_path_of_a_factory_that_fails(package):
     shape, data = (1, 8, 8), "the data in staged/"
     check_model_input(ModelConfig(name=FACTORY, kwargs={"depth": 3}), 10, shape, data)
     cases = {
-        "teamnet.broken:build": "module teamnet.broken cannot be imported (ModuleNotFoundError",
-        "teamnet.absent:build": "module teamnet.absent cannot be imported",
-        "teamnet.models:missing": f"module teamnet.models has no missing: name a callable defined in "
-                                  f"{package / 'teamnet' / 'models.py'}",
-        "teamnet.models:not_a_model": "returned a dict, not a torch.nn.Module",
+        "acmenet.broken:build": "module acmenet.broken cannot be imported (ModuleNotFoundError",
+        "acmenet.absent:build": "module acmenet.absent cannot be imported",
+        "acmenet.models:missing": f"module acmenet.models has no missing: name a callable defined in "
+                                  f"{package / 'acmenet' / 'models.py'}",
+        "acmenet.models:not_a_model": "returned a dict, not a torch.nn.Module",
     }
     for name, expected in cases.items():
         with pytest.raises(ModelImportError) as error:
@@ -138,16 +138,16 @@ def test_preflight_names_the_import_path_of_a_factory_that_fails(package):
     with pytest.raises(ModelImportError, match=r"build\(num_classes=10, in_channels=1, image_size=8, "
                                                r"widht=4\) raised TypeError"):
         check_model_input(ModelConfig(name=FACTORY, kwargs={"widht": 4}), 10, shape, data)
-    with pytest.raises(ValueError, match=r"'teamnet.models:wrong_head' maps the data in staged/ to logits of "
+    with pytest.raises(ValueError, match=r"'acmenet.models:wrong_head' maps the data in staged/ to logits of "
                                          r"shape \(11,\), not \(10,\): make it return logits"):
-        check_model_input(ModelConfig(name="teamnet.models:wrong_head"), 10, shape, data)
+        check_model_input(ModelConfig(name="acmenet.models:wrong_head"), 10, shape, data)
 
 
 def test_fsdp_units_come_from_the_module_hook_or_the_largest_stack(package):
     model = build_model(ModelConfig(name=FACTORY, kwargs={"depth": 3}), 10, (1, 8, 8))
     assert [id(unit) for unit in shard_units(model, FACTORY)] == [id(block) for block in model.blocks]
-    hooked = build_model(ModelConfig(name="teamnet.hooked:build"), 10, (1, 8, 8))
-    assert shard_units(hooked, "teamnet.hooked:build") == [hooked.stem, *hooked.blocks]
+    hooked = build_model(ModelConfig(name="acmenet.hooked:build"), 10, (1, 8, 8))
+    assert shard_units(hooked, "acmenet.hooked:build") == [hooked.stem, *hooked.blocks]
     # Without a repeated stack: the direct children that hold parameters.
     flat = nn.Sequential(nn.Linear(4, 4), nn.ReLU())
     assert default_units(nn.ModuleDict({"a": flat, "b": nn.ReLU()})) == [flat]
@@ -158,8 +158,8 @@ def test_rebuilding_an_imported_model_is_the_users_choice():
     check_trusted(FACTORY, True, "x")
     check_trusted(FACTORY, FACTORY, "x")
     with pytest.raises(ModelImportError, match=r"exported model m.safetensors was trained with the imported "
-                                               r"model 'teamnet.models:build': .* --trust-model-code"):
-        check_trusted(FACTORY, "teamnet.models:other", "exported model m.safetensors")
+                                               r"model 'acmenet.models:build': .* --trust-model-code"):
+        check_trusted(FACTORY, "acmenet.models:other", "exported model m.safetensors")
 
 
 def _cli(module: str, *args: str) -> subprocess.CompletedProcess:
@@ -174,7 +174,7 @@ def test_an_imported_model_trains_on_two_workers_resumes_exports_and_evaluates(p
     team's model on it (dcp checkpoints), a second command resumes it, export and evaluate rebuild it only
     when allowed, and the result classifies the test split."""
     digits_dir = tmp_path / "staged"
-    staged = _cli("traincore.stage", "--source", "python:teamnet.data:digits", "--output", str(digits_dir),
+    staged = _cli("traincore.stage", "--source", "python:acmenet.data:digits", "--output", str(digits_dir),
                   "--image-size", "16", "--channels", "1")
     assert staged.returncode == 0, staged.stderr[-3000:]
     assert "staging: 1,797 / 1,797 samples (100%)" in staged.stderr
@@ -214,20 +214,20 @@ def test_an_imported_model_trains_on_two_workers_resumes_exports_and_evaluates(p
 
 
 def test_a_bad_factory_fails_the_cli_before_any_worker_starts(package, digits_dir, tmp_path):
-    config = json.dumps({"model": {"name": "teamnet.models:not_a_model"}})
+    config = json.dumps({"model": {"name": "acmenet.models:not_a_model"}})
     done = _cli("traincore.train", "--data", str(digits_dir), "--output", str(tmp_path / "run"), "--preset",
                 "debug", "--config", config, "--nproc-per-node", "2")
     assert done.returncode == 2
-    assert done.stderr.strip().splitlines()[-1].startswith("error: model.name='teamnet.models:not_a_model':")
+    assert done.stderr.strip().splitlines()[-1].startswith("error: model.name='acmenet.models:not_a_model':")
     assert "global batch" not in done.stderr  # no worker reached its loader
     assert not (tmp_path / "run" / "checkpoints").exists()
 
 
 def test_the_module_hook_may_only_name_parts_of_the_model(package, monkeypatch):
-    import teamnet.hooked
+    import acmenet.hooked
 
-    monkeypatch.setattr(teamnet.hooked, "shard_units", lambda model: [nn.Linear(2, 2)])
-    model = build_model(ModelConfig(name="teamnet.hooked:build"), 10, (1, 8, 8))
+    monkeypatch.setattr(acmenet.hooked, "shard_units", lambda model: [nn.Linear(2, 2)])
+    model = build_model(ModelConfig(name="acmenet.hooked:build"), 10, (1, 8, 8))
     with pytest.raises(ModelImportError, match="returned modules that are not part of the model"):
-        shard_units(model, "teamnet.hooked:build")
+        shard_units(model, "acmenet.hooked:build")
     assert isinstance(model(torch.zeros(2, 1, 8, 8)), torch.Tensor)

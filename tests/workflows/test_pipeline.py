@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import hashlib
+import os
+import sys
 from pathlib import Path
 
 import pytest
@@ -76,3 +78,31 @@ def test_bad_inputs_fail_before_anything_runs(bad, named, monkeypatch):
     forbid_staging(monkeypatch)
     with pytest.raises(Exception, match=named):
         training_pipeline(**SMALL | bad)
+
+
+@pytest.fixture
+def examples_on_path(monkeypatch):
+    """examples/ importable here and in the workers, as a team's installed package is; its modules are
+    dropped again afterwards."""
+    examples = Path(__file__).resolve().parents[2] / "examples"
+    monkeypatch.syspath_prepend(str(examples))
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(filter(None, [str(examples),
+                                                                    os.environ.get("PYTHONPATH")])))
+    yield
+    for name in [name for name in sys.modules if name.split(".")[0] == "teamnet"]:
+        del sys.modules[name]
+
+
+def test_the_workflow_trains_a_teams_model_on_its_dataset(examples_on_path, tmp_path):
+    """`pyflyte run workflows/pipeline.py training_pipeline --source python:teamnet.data:digits
+    --config_overrides '{"model": {"name": "teamnet.models:resnet_tiny", ...}}'` with examples/ on the
+    path: staged from the team's dataset factory, its model trained on two processes, exported and
+    evaluated to a test accuracy well above chance."""
+    overrides = ('{"model": {"name": "teamnet.models:resnet_tiny", "kwargs": {"width": 16}}, '
+                 '"data": {"image_size": 16, "channels": 1}, "optim": {"lr": 0.01}}')
+    model, report, dataset = training_pipeline(source="python:teamnet.data:digits", preset="debug",
+                                               config_overrides=overrides, max_steps=120, nproc_per_node=2,
+                                               checkpoint_uri=str(tmp_path / "checkpoints"))
+    assert dataset.source_fingerprint.startswith("python:sha256:") and dataset.counts["test"] == 183
+    assert report.lineage.config["model"]["name"] == "teamnet.models:resnet_tiny"
+    assert report.result.accuracy >= 0.5, report.result  # ten classes: chance is 0.1

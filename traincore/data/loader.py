@@ -19,13 +19,14 @@ from __future__ import annotations
 import itertools
 import logging
 import weakref
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import numpy as np
 import torch
 
 from traincore.config import LoaderConfig
+from traincore.data.augment import Augmenter
 from traincore.data.manifest import Manifest, StagingError, check_size, read_labels, verify_images
 
 log = logging.getLogger(__name__)
@@ -154,6 +155,7 @@ class StagedLoader:
         self.device = torch.device(device)
         self.epoch, self.consumed = 0, 0
         self.normalize = Normalizer(split.manifest.mean, split.manifest.std, self.device)
+        self.augment = Augmenter(cfg) if cfg.random_resized_crop or cfg.horizontal_flip else None
         global_batch = cfg.batch_size * world_size
         if cfg.drop_last and len(split) < global_batch:
             raise ValueError(f"loader.batch_size={cfg.batch_size} x {world_size} ranks = {global_batch} "
@@ -185,17 +187,30 @@ class StagedLoader:
 
     def host_batches(self) -> Iterator[Batch]:
         """uint8 batches on the host for the rest of the epoch, advancing the position as each is taken."""
+        return ((images, labels) for images, labels, _ in self._keyed_batches())
+
+    def _keyed_batches(self) -> Iterator[tuple[torch.Tensor, torch.Tensor, tuple[int, ...]]]:
+        """:meth:`host_batches` with each batch's place in the run, (seed, rank, epoch, position): what
+        seeds its augmentation."""
         source = (iter(self._dataloader) if self._dataloader is not None else
                   (self.split.read(idx, self._pin) for idx in self.index_batches()))
-        for batch in source:
+        for images, labels in source:
+            key = (self.seed, self.rank, self.epoch, self.consumed)
             self.consumed = min(self.consumed + self.global_batch_size, len(self.split))
-            yield batch
+            yield images, labels, key
         self.epoch, self.consumed = self.epoch + 1, 0
+
+    def prepare(self, images: torch.Tensor, key: tuple[int, ...]) -> torch.Tensor:
+        """A uint8 batch already on the device, augmented (when configured) and normalised."""
+        if self.augment is None:
+            return self.normalize(images)
+        return self.normalize(self.augment(images.to(torch.float32), key))
 
     def __iter__(self) -> Iterator[Batch]:
         if self.device.type == "cuda" and self.cfg.device_prefetch:
-            return _CudaPrefetcher(self.host_batches(), self.device, self.normalize)
-        return ((self.normalize(x.to(self.device)), y.to(self.device)) for x, y in self.host_batches())
+            return _CudaPrefetcher(self._keyed_batches(), self.device, self.prepare)
+        return ((self.prepare(x.to(self.device), key), y.to(self.device))
+                for x, y, key in self._keyed_batches())
 
     def __len__(self) -> int:
         return self.steps_per_epoch
@@ -215,23 +230,24 @@ class StagedLoader:
 
 
 class _CudaPrefetcher:
-    """Copies batch k+1 host->device on a side stream and normalises it there while batch k trains."""
+    """Copies batch k+1 host->device on a side stream and prepares it there (augmentation, normalisation)
+    while batch k trains."""
 
-    def __init__(self, batches: Iterator[Batch], device: torch.device, normalize: Normalizer):
-        self.batches, self.device, self.normalize = batches, device, normalize
+    def __init__(self, batches: Iterator, device: torch.device, prepare: Callable):
+        self.batches, self.device, self.prepare = batches, device, prepare
         self.stream = torch.cuda.Stream(device)
         self._next: Batch | None = None
         self._preload()
 
     def _preload(self) -> None:
         try:
-            images, labels = next(self.batches)
+            images, labels, key = next(self.batches)
         except StopIteration:
             self._next = None
             return
         with torch.cuda.stream(self.stream):
             images = images.to(self.device, non_blocking=True)
-            self._next = (self.normalize(images), labels.to(self.device, non_blocking=True))
+            self._next = (self.prepare(images, key), labels.to(self.device, non_blocking=True))
 
     def __iter__(self) -> _CudaPrefetcher:
         return self
