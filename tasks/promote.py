@@ -76,7 +76,8 @@ def _difference(what: str, champion: list, challenger: list) -> str:
 def comparison_problem(champion: Champion, dataset: StagedDataset, by_hand: str) -> str:
     """Why ``champion`` cannot be evaluated on ``dataset``'s test split ("" when it can), and what to do
     (``by_hand``: the command that publishes the challenger)."""
-    _, config = load_exported(champion.directory / WEIGHTS_FILE)  # also proves the champion's sha256
+    # Also proves the champion's sha256. It is a version of this pipeline's own registry: trusted.
+    _, config = load_exported(champion.directory / WEIGHTS_FILE, trust_model=True)
     differences = [text for text in (
         _difference("class list", list(config["classes"]), list(dataset.classes)),
         _difference("input shape (C, H, W)", list(config["shape"]), list(dataset.shape))) if text]
@@ -172,7 +173,8 @@ def promotion_gate(model: ModelArtifact, report: EvalReport, dataset: StagedData
     by_hand = (f"python -m traincore.registry publish {promoted_uri} "
                f"{model.directory.remote_source or model.directory.path}")
     promoted, reason, scored = judge(report, found, dataset, threshold, tolerance, by_hand)
-    version = registry.publish(local_directory(model.directory), report.lineage) if promoted else ""
+    version = (registry.publish(local_directory(model.directory), report.lineage, trust_model=True)
+               if promoted else "")
     flytekit.Deck("Promotion", promotion_deck_html(
         report.result, scored.result if scored else None, reason, asdict(report.lineage),
         asdict(scored.lineage) if scored else None, promoted=promoted))

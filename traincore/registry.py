@@ -34,9 +34,17 @@ from pathlib import Path, PurePosixPath
 import fsspec
 from fsspec.implementations.local import LocalFileSystem
 
-from traincore.export import WEIGHTS_FILE, ExportError, config_path_for, load_exported
+from traincore.export import (
+    WEIGHTS_FILE,
+    ExportError,
+    add_trust_flags,
+    config_path_for,
+    load_exported,
+    trust_from_args,
+)
 from traincore.files import fsync_path, publish, publish_directory
 from traincore.lineage import LINEAGE_FILE, Lineage, LineageError
+from traincore.models import ModelImportError
 
 LATEST = "latest"
 MODEL_FILES = (WEIGHTS_FILE, config_path_for(WEIGHTS_FILE).name)  # lineage.json follows them, last
@@ -106,11 +114,13 @@ class Registry:
         except LineageError as exc:
             raise RegistryError(str(exc)) from exc
 
-    def publish(self, model_dir: str | Path, lineage: Lineage) -> str:
+    def publish(self, model_dir: str | Path, lineage: Lineage, trust_model: bool | str = False) -> str:
         """Publish the exported model in ``model_dir`` with ``lineage`` as a new version, then point
-        ``latest`` at it; returns the version. The model is verified first (its sha256, the lineage's)."""
+        ``latest`` at it; returns the version. The model is verified first (its sha256, the lineage's, and
+        that it rebuilds: ``trust_model`` allows that for an imported model, see
+        traincore.models.check_trusted)."""
         model_dir = Path(model_dir)
-        check_model_dir(model_dir, lineage)
+        check_model_dir(model_dir, lineage, trust_model)
         version = version_name(lineage.model_sha256)
         if self.fs.exists(self._path(version)):
             raise RegistryError(f"version {version} already exists in {self.uri}: versions are immutable; "
@@ -173,11 +183,11 @@ def commit_version(partial: Path, target: Path) -> None:
                             "publish again in a second)") from exc
 
 
-def check_model_dir(model_dir: Path, lineage: Lineage) -> None:
+def check_model_dir(model_dir: Path, lineage: Lineage, trust_model: bool | str = False) -> None:
     """RegistryError unless ``model_dir`` holds an export that loads and that ``lineage`` describes."""
     try:
-        _, config = load_exported(model_dir / WEIGHTS_FILE)
-    except ExportError as exc:
+        _, config = load_exported(model_dir / WEIGHTS_FILE, trust_model)
+    except (ExportError, ModelImportError) as exc:
         raise RegistryError(f"{model_dir} is not a publishable model: {exc}") from exc
     if lineage.model_sha256 != config["sha256"]:
         raise RegistryError(f"the lineage given for {model_dir} describes weights with sha256 "
@@ -273,7 +283,7 @@ def run_command(args: argparse.Namespace) -> str:
         lineage = Lineage.load(model_dir / LINEAGE_FILE)
     except LineageError as exc:
         raise RegistryError(f"{model_dir} cannot be published: {exc}") from exc
-    return f"{registry.uri}: published {registry.publish(model_dir, lineage)} (latest)"
+    return f"{registry.uri}: published {registry.publish(model_dir, lineage, trust_from_args(args))} (latest)"
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -289,6 +299,7 @@ def main(argv: list[str] | None = None) -> int:
     publish = commands.add_parser("publish", help="publish an exported model directory and make it latest")
     publish.add_argument("uri")
     publish.add_argument("model_dir", help="holds model.safetensors, model.json and lineage.json")
+    add_trust_flags(publish)
     args = parser.parse_args(argv)
     try:
         print(run_command(args))
