@@ -7,7 +7,8 @@ exported model and the evaluation all go through s3:// URIs on the server; the p
 the FLYTE_AWS_* settings a platform injects. Then the same checkpoint root resumes twice from a step
 before the end: in Flyte's retry of the train node (attempt 1, new pods, same inputs.pb), and in a new
 execution on one pod of two processes. The retry ends with bitwise the weights of the uninterrupted run (the
-same world size and pods, deterministic CPU training of the small model the pod-restart tests train); the
+same world size and pods, deterministic CPU training of the example team package's model, examples/teamnet,
+which fast registration ships with the code); the
 one-pod execution, whose processes run one torch thread each, ends within float rounding of them.
 """
 
@@ -26,7 +27,9 @@ from traincore.checkpoint.prune import remove_step
 
 MAX_STEPS, EVERY = 60, 20
 TRAIN_NODE = "n2-0-dn0"  # the train task inside the @dynamic train_on_backend node
-CONFIG = json.dumps({"model": {"name": "small_cnn", "width": 8}, "loader": {"batch_size": 8},
+# The example team package's model (examples/teamnet), which fast registration ships with the code.
+MODEL = {"name": "examples.teamnet.models:resnet_tiny", "kwargs": {"width": 16, "depth": 1}}
+CONFIG = json.dumps({"model": MODEL, "loader": {"batch_size": 8}, "optim": {"lr": 0.01},
                      "checkpoint": {"every": EVERY, "mode": "async"}, "telemetry": {"tensorboard": False}})
 TWO_PODS = ("backend=kubernetes", "nnodes=2", "nproc_per_node=1", "max_restarts=1", "parallelism=fsdp")
 

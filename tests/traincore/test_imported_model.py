@@ -171,8 +171,8 @@ def _cli(module: str, *args: str) -> subprocess.CompletedProcess:
 def test_an_imported_model_trains_on_two_workers_resumes_exports_and_evaluates(package, tmp_path,
                                                                                parallelism):
     """The team's dataset factory is staged (python:<module>:<callable>); two forked workers train the
-    team's model on it (dcp checkpoints), a second command resumes it, export and evaluate rebuild it only
-    when allowed, and the result classifies the test split."""
+    team's model on it (dcp checkpoints), a second command resumes it; after the sharded run, export and
+    evaluate rebuild it only when allowed, and the result classifies the test split."""
     digits_dir = tmp_path / "staged"
     staged = _cli("traincore.stage", "--source", "python:acmenet.data:digits", "--output", str(digits_dir),
                   "--image-size", "16", "--channels", "1")
@@ -196,6 +196,10 @@ def test_an_imported_model_trains_on_two_workers_resumes_exports_and_evaluates(p
     saved = info["meta"]["config"]["model"]
     assert (saved["name"], saved["kwargs"]) == (FACTORY, model["kwargs"]) and "blocks.1.0.weight" in weights
 
+    val_accuracy = float(second.stdout.split("val accuracy ")[1].split(";")[0])
+    assert val_accuracy >= 0.9, second.stdout
+    if parallelism == "ddp":
+        return  # export and evaluation read any checkpoint alike: checked once, on the sharded run's
     exported = tmp_path / "model" / "model.safetensors"
     refused = _cli("traincore.export", "--checkpoint", str(run / "checkpoints"), "--output", str(exported))
     assert refused.returncode == 2 and "--trust-model-code" in refused.stderr and not exported.exists()
