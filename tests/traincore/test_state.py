@@ -13,6 +13,8 @@ from traincore.presets import debug
 from traincore.state import StateRegistry
 from traincore.train import Trainer
 
+pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
+
 
 class EMAOfLoss:
     """A component the checkpointer does not know: a scalar, a tensor and a nested dict of state."""

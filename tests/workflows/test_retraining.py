@@ -64,7 +64,8 @@ def test_a_growing_image_folder_is_restaged_retrained_and_promoted(image_folder_
     assert registry.latest() == first.version and registry.versions() == [first.version]
     published = Registry(registry.uri).lineage(first.version)
     assert published == first.challenger.lineage  # what was decided on is what was published
-    assert [spec.name for spec in fields(Lineage) if getattr(published, spec.name) in ("", 0, {}, None)] == []
+    assert [spec.name for spec in fields(Lineage) if getattr(published, spec.name) in ("", 0, {}, None)] == [
+        "init_sha256"]  # trained from scratch: no model.init_from
     assert published.source_fingerprint == first.model.export.lineage.source_fingerprint
     assert published.test_accuracy == first.challenger.result.accuracy
     assert (tmp_path / "registry" / first.version / "model.safetensors").is_file()
