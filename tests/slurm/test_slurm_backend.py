@@ -56,16 +56,25 @@ def test_pipeline_trains_on_two_nodes_and_shares_checkpoints_with_the_local_back
     s3 = bridge_s3
     uri = f"s3://{s3.bucket}/slurm-{uuid.uuid4().hex[:8]}"
     root = Store(uri, s3.storage_options)
-    common = ("--checkpoint_uri", uri, "--nproc_per_node")
-    local = pipeline("--max_steps", "10", *common, "2", cwd=tmp_path, **s3.env)
+    # The example team package's model (examples/teamnet, on PYTHONPATH as an installed package would be),
+    # on every backend and world size of this root.
+    model = '"model": {"name": "teamnet.models:resnet_tiny", "kwargs": {"width": 8, "depth": 1}}'
+    env = {**s3.env, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT / "examples"),
+                                                                os.environ.get("PYTHONPATH")]))}
+    common = ("--checkpoint_uri", uri, "--config_overrides", f"{{{model}}}", "--nproc_per_node")
+    local = pipeline("--max_steps", "10", *common, "2", cwd=tmp_path, **env)
     assert local.returncode == 0, output(local)[-3000:]
 
     before = slurm_loopback.finished()
     secret = f"not-a-real-key-{uuid.uuid4().hex}"  # reaches the job through sbatch's environment only
+    # On Slurm the job's environment is the login shell's plus slurm_setup: the package goes on its path
+    # there, as docs/own-model.md tells users.
+    setup = f"source {sys.prefix}/bin/activate && export PYTHONPATH={env['PYTHONPATH']}"
     slurm = pipeline("--backend", "slurm", "--slurm_target", slurm_loopback.alias, "--nnodes", "2",
-                     "--parallelism", "fsdp", "--max_steps", "20", "--config_overrides",
-                     '{"checkpoint": {"mode": "dcp"}}', *common, "1", cwd=tmp_path,
-                     AWS_SECRET_ACCESS_KEY=secret, **s3.env)
+                     "--slurm_setup", setup,
+                     "--parallelism", "fsdp", "--max_steps", "20", *common[:2], "--config_overrides",
+                     f'{{{model}, "checkpoint": {{"mode": "dcp"}}}}', "--nproc_per_node", "1", cwd=tmp_path,
+                     **env | {"AWS_SECRET_ACCESS_KEY": secret})
     text = output(slurm)
     assert slurm.returncode == 0, text[-3000:]
     [job] = new_jobs(slurm_loopback, before)
@@ -81,7 +90,8 @@ def test_pipeline_trains_on_two_nodes_and_shares_checkpoints_with_the_local_back
     _, saved = read_checkpoint(step_store(root, 20))
     assert saved["step"] == 20 and saved["meta"]["world_size"] == 2  # nodes x processes
 
-    back = pipeline("--max_steps", "30", *common, "2", cwd=tmp_path, **s3.env)
+    assert saved["meta"]["config"]["model"]["name"] == "teamnet.models:resnet_tiny"
+    back = pipeline("--max_steps", "30", *common, "2", cwd=tmp_path, **env)
     assert back.returncode == 0 and "resumed from step 20" in output(back), output(back)[-3000:]
 
 

@@ -21,6 +21,8 @@ from traincore.checkpoint import complete_steps, read_checkpoint, read_marker, s
 from traincore.config import ConfigError, ModelConfig, model_identity
 from traincore.models import ModelImportError, build_model, check_trusted, default_units, shard_units
 from traincore.preflight import check_model_input
+from traincore.presets import debug
+from traincore.train import Trainer
 
 FACTORY = "acmenet.models:build"
 PACKAGE = {
@@ -215,6 +217,17 @@ def test_an_imported_model_trains_on_two_workers_resumes_exports_and_evaluates(p
     accuracy = float(scored.stdout.split("accuracy: ")[1].split()[0])
     print(f"[imported model, {parallelism}] test accuracy {accuracy:.3f}")
     assert accuracy >= 0.9, scored.stdout
+
+    # A warm start from that export, its head excluded, against a start from scratch: the same few steps.
+    short = debug().with_overrides({"model": model, "loader.batch_size": 32, "train.max_steps": 8,
+                                    "optim": {"lr": 0.003, "warmup_steps": 0},
+                                    "telemetry.tensorboard": False})
+    scratch = Trainer(short, digits_dir, tmp_path / "scratch").train()
+    warm = Trainer(short.with_overrides({"model.init_from": str(exported), "model.init_exclude": ["head.*"]}),
+                   digits_dir, tmp_path / "warm").train()
+    print(f"[imported model] val accuracy after 8 steps: {warm.val_accuracy:.3f} warm, "
+          f"{scratch.val_accuracy:.3f} from scratch")
+    assert warm.val_accuracy >= scratch.val_accuracy + 0.2
 
 
 def test_a_bad_factory_fails_the_cli_before_any_worker_starts(package, digits_dir, tmp_path):
