@@ -3,7 +3,7 @@ PY ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 
-.PHONY: run test bench lint docs clean install install-dev replay
+.PHONY: run test bench lint docs clean install install-dev replay image register
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
@@ -28,8 +28,8 @@ run: install
 test: install-dev
 	$(BIN)/python -m pytest
 
-# Loader, checkpoint, sharded-state, per-step, start-up and end-to-end benchmarks (about 20 minutes on 2 cores): writes
-# bench/results/latest.json and latest.md (commit them); generated data and runs go to runs/bench.
+# Loader, checkpoint, sharded-state, per-step, start-up, preemption and end-to-end benchmarks (about 20 minutes on
+# 2 cores): writes bench/results/latest.json and latest.md (commit them); generated data and runs go to runs/bench.
 bench: install
 	$(BIN)/python bench/run.py
 
@@ -58,6 +58,29 @@ docs: install
 
 clean:
 	rm -rf runs .pytest_cache
+
+# The image a cluster runs, and the registration that uses it (docs/deploy.md):
+#   make image IMAGE=ghcr.io/acme/flyte-torch-pipeline:v1 [VARIANT=cpu|cuda] [BUILD_OPTS="--local-base ..."]
+#     builds dockerfiles/$(VARIANT).Dockerfile with podman (scripts/build-image) and pushes it when IMAGE
+#     names a registry (log in first: podman login ghcr.io);
+#   make register IMAGE=... [PROJECT=flytesnacks] [DOMAIN=development] [VERSION=...] [CONFIG=flyte.config]
+#     registers workflows/ and its launch plans with that image (PACKAGE=out.tgz writes the package instead).
+IMAGE ?=
+VARIANT ?= cpu
+BUILD_OPTS ?=
+PROJECT ?= flytesnacks
+DOMAIN ?= development
+VERSION ?=
+CONFIG ?= flyte.config
+PACKAGE ?=
+image:
+	@test -n "$(IMAGE)" || { echo "make image: set IMAGE=<registry>/<name>:<tag>, e.g." \
+		"IMAGE=ghcr.io/acme/flyte-torch-pipeline:v1 (a name without a registry builds a local image only)" >&2; exit 2; }
+	scripts/build-image --variant "$(VARIANT)" --tag "$(IMAGE)" --push $(BUILD_OPTS)
+
+register: install
+	PYFLYTE=$(BIN)/pyflyte scripts/register --image "$(IMAGE)" --project "$(PROJECT)" --domain "$(DOMAIN)" \
+		--config "$(CONFIG)" $(if $(VERSION),--version "$(VERSION)") $(if $(PACKAGE),--package "$(PACKAGE)")
 
 # Build the CPU image with podman from a local Debian base and run the workflow inside it as the image's
 # non-root user (about 10 minutes cold). Installs podman, buildah and debootstrap with apt-get first when

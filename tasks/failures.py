@@ -24,6 +24,9 @@ STDERR_DIR_ENV = "TRAIN_WORKER_STDERR_DIR"
 """Set by the train task for its workers: the directory of their ``rank-<N>.log`` stderr copies."""
 TAIL_LINES = 15
 # first_failure()'s opening words for a worker ended by a signal, as killed_rank() reads them back.
+# The first words of a preempted attempt's error (traincore.preemption.Preempted.headline, and
+# tasks.train.stop_preempted's and tasks.slurm.job's own when no step was saved).
+_PREEMPTED = re.compile(r"\b(?:preempted at step \d+|stopped) by (SIG[A-Z]+)\b")
 _KILLED = re.compile(r"\brank (\d+) failed first \(killed by ([^,]+), pid")
 # Signals that end a worker from outside, so the worker leaves no error file: the OOM killer or a lost node
 # (SIGKILL), eviction or preemption (SIGTERM, SIGINT, SIGHUP), a write to a vanished peer (SIGPIPE), NCCL's
@@ -93,6 +96,14 @@ def killed_rank(message: str) -> tuple[int, str] | None:
     began (as a Slurm node's error document carries it); None when the first failure was not a kill."""
     match = _KILLED.search(message)
     return (int(match.group(1)), match.group(2)) if match else None
+
+
+def preemption_signal(message: str) -> str | None:
+    """The signal that stopped a preempted train task (a time limit's warning, an eviction, a preemption),
+    read from its error: the preemption's own (``preempted at step N by SIGTERM``), or one that stopped it
+    before a step (``stopped by SIGTERM ...``); None for any other error."""
+    match = _PREEMPTED.search(message)
+    return match.group(1) if match else None
 
 
 def vanished_workers(error: ChildFailedError) -> list[str]:

@@ -18,7 +18,7 @@ import torch
 from flytekit import task
 from flytekit.core.context_manager import FlyteContextManager
 
-from tasks.backends import BACKENDS, SLURM_BACKEND
+from tasks.backends import BACKENDS, CAPACITIES, SLURM_BACKEND
 from tasks.slurm.ssh import SlurmTarget
 from tasks.storage import is_uri, local_path, source_storage_options
 from tasks.types import SlurmSettings, Topology
@@ -85,6 +85,18 @@ def check_source(source: str) -> None:
     if not path.is_dir():
         raise LaunchInputError(f"input source={source!r}: the dataset path {path} does not exist or is not a "
                                "directory; point it at <root>/<class>/<image> files or use a URI (s3://, gs://)")
+
+
+def check_capacity(capacity: str, backend: str) -> None:
+    """``capacity`` is one of CAPACITIES; "preemptible" only where Flyte schedules pods (Kubernetes)."""
+    if capacity not in CAPACITIES:
+        raise LaunchInputError(f"input capacity={capacity!r} is unknown: use one of {', '.join(CAPACITIES)}")
+    if capacity == "preemptible" and backend != "kubernetes":
+        fix = ("pick a preemptible partition or QOS with slurm_partition or slurm_sbatch_flags"
+               if backend == SLURM_BACKEND else "set backend='kubernetes'")
+        raise LaunchInputError(f"input capacity='preemptible' puts train pods on spot / preemptible "
+                               f"Kubernetes nodes, but backend={backend!r}: {fix}, or leave capacity "
+                               "'on-demand'")
 
 
 def check_topology(topology: Topology, local_run: bool) -> None:
@@ -226,7 +238,7 @@ def plan_run(source: str, preset: str, config_overrides: str, epochs: int, max_s
              nnodes: int, nproc_per_node: int, gpus_per_node: int, accelerator: str, max_restarts: int,
              parallelism: str, checkpoint_uri: str, slurm_target: str, slurm_partition: str,
              slurm_account: str, slurm_time_limit: str, slurm_sbatch_flags: str, slurm_setup: str,
-             store_secret: str = "") -> RunPlan:
+             store_secret: str = "", capacity: str = "on-demand") -> RunPlan:
     """Validate the launch inputs and resolve them into the run's Config and Topology; fingerprint the
     source (uncached: every run sees the source as it is now)."""
     slurm = SlurmSettings(target=slurm_target, partition=slurm_partition, account=slurm_account,
@@ -238,6 +250,7 @@ def plan_run(source: str, preset: str, config_overrides: str, epochs: int, max_s
                         rdzv_timeout_s=cfg.dist.init_timeout_s, slurm=slurm, store_secret=store_secret)
     local_run = FlyteContextManager.current_context().execution_state.is_local_execution()
     check_topology(topology, local_run)
+    check_capacity(capacity, backend)
     check_store_secret(topology, checkpoint_uri)
     check_backend(cfg, topology, local_run)
     check_model(cfg)

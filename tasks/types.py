@@ -3,6 +3,10 @@
 No live object (model, loader, process group) ever leaves a task. Where traincore already has a record for
 a concept (TrainSummary, ExportResult, EvalResult), the Flyte value holds it as one field next to the Flyte
 directories, so each concept has one record and one conversion.
+
+The values a workflow returns (StagedDataset, ModelArtifact, EvalReport) print as a few lines each, which
+is what ``pyflyte run`` shows at the end of a local run; their fields and Flyte types are the dataclasses'
+own, and only the printed text differs from the generated repr (which would print the whole config twice).
 """
 
 from __future__ import annotations
@@ -19,7 +23,7 @@ from traincore.config import Config
 from traincore.data.manifest import Manifest
 from traincore.evaluate import EvalResult
 from traincore.export import ExportResult
-from traincore.lineage import Lineage
+from traincore.lineage import LINEAGE_FILE, Lineage
 from traincore.telemetry.summary import TrainSummary
 
 
@@ -77,6 +81,13 @@ class StagedDataset:
                    shape=list(manifest.shape), counts={name: s.count for name, s in manifest.splits.items()},
                    format_version=manifest.format_version)
 
+    def __repr__(self) -> str:
+        """Where it is and what it holds, in a few lines (not the class list)."""
+        shape = "x".join(map(str, self.shape))
+        counts = ", ".join(f"{split} {count}" for split, count in self.counts.items())
+        data = f"{self.source}: {len(self.classes)} classes of {shape}; {counts} samples"
+        return _lines("StagedDataset", {"directory": _location(self.directory), "data": data})
+
 
 @dataclass
 class TrainResult:
@@ -106,6 +117,14 @@ class ModelArtifact:
         """The safetensors file's name inside ``directory``."""
         return Path(self.export.path).name
 
+    def __repr__(self) -> str:
+        """The weights' path, sha256 and step, and where their config and lineage records are (not the
+        lineage itself, whose config alone runs to thousands of characters)."""
+        where = _location(self.directory)
+        records = f"{Path(self.export.config_path).name} and {LINEAGE_FILE} in {where}"
+        return _lines("ModelArtifact", {"path": f"{where}/{self.weights_file}", "sha256": self.export.sha256,
+                                        "step": str(self.export.step), "records": records})
+
 
 @dataclass
 class EvalReport:
@@ -113,6 +132,26 @@ class EvalReport:
 
     result: EvalResult
     lineage: Lineage
+
+    def __repr__(self) -> str:
+        """The accuracy and the model it measured, in a few lines (not the per-class figures nor the
+        confusion matrix, which the evaluation Deck draws)."""
+        result, lineage = self.result, self.lineage
+        accuracy = f"{result.accuracy:.4f} on {result.count} samples (loss {result.loss:.4f})"
+        model = f"sha256 {lineage.model_sha256[:12]}, step {lineage.checkpoint_step}"
+        return _lines("EvalReport", {f"{result.split} accuracy": accuracy, "model": model})
+
+
+def _location(directory: FlyteDirectory) -> str:
+    """Where a directory's files are: its object-store URI once uploaded, else its local path."""
+    return str(directory.remote_source or directory.path)
+
+
+def _lines(name: str, rows: dict[str, str]) -> str:
+    """``name(``, one indented ``label  value`` line per row, then ``)``: a repr a person reads at a glance,
+    laid out as torch prints a module."""
+    width = max(map(len, rows))
+    return "\n".join([f"{name}(", *(f"    {label:<{width}}  {value}" for label, value in rows.items()), ")"])
 
 
 @dataclass

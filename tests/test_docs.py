@@ -9,13 +9,25 @@ or an inline code span. What is checked:
 - ``python <script>.py --flag`` for a script of this repository: the same;
 - ``pyflyte ... run <file>.py <workflow> --<input> ...``: the workflow exists and takes every input shown;
 - ``make <target>``: a target of the Makefile;
+- ``pip install``: only ``.[extra]`` of a checkout, with extras pyproject.toml defines (the package is not
+  published, so never by its name);
 - ``scripts/<name>`` and every other repository path the pages name (traincore/..., tests/..., ...) exist;
 - every relative link ``[text](path#anchor)`` resolves to a file and, for a page, to one of its headings.
+
+Tables and sample output are checked against the code too:
+
+- a table of ``--flags`` documents the CLI its section names first (``traincore.train``, ...): it lists
+  every option of that CLI's argparse parser and no other, with the parser's choices where it shows them;
+- a table of workflow inputs (first column ``input``) names only inputs of the workflow its section names
+  first, with the signature's defaults; the README's table of ``training_pipeline`` and retraining's table
+  of ``retrain_and_promote`` list every input;
+- every sample ``plan: ...`` line has the shape of the line ``plan_run`` prints (tasks/plan.py).
 """
 
 from __future__ import annotations
 
 import argparse
+import ast
 import importlib
 import importlib.util
 import os
@@ -74,7 +86,8 @@ def split_fences(text: str) -> tuple[list[tuple[int, str]], str]:
 
 def tokenize(text: str) -> list[str]:
     """Shell words of ``text``, comments dropped, ``&&``/``|``/``;`` as tokens of their own."""
-    lexer = shlex.shlex(text, posix=True, punctuation_chars=True)
+    # Not "<" and ">": placeholders such as IMAGE=<registry>/<name>:<tag> stay one word.
+    lexer = shlex.shlex(text, posix=True, punctuation_chars="();|&")
     lexer.whitespace_split = True
     try:
         return list(lexer)
@@ -336,6 +349,187 @@ def path_problems(page: Path) -> list[str]:
     return sorted(set(problems))
 
 
+# --- tables and sample output ----------------------------------------------------------------------------
+
+TABLE_ROW = re.compile(r"^\s*\|(.*)\|\s*$")
+TABLE_RULE = re.compile(r"^\s*\|(\s*:?-+:?\s*\|)+\s*$")
+HEADING = re.compile(r"^#{1,6}\s")
+CLI_NAME = re.compile(r"(?<![\w/.])((?:" + "|".join(REPO_PACKAGES) + r")(?:\.\w+)+)")
+BACKTICKED = re.compile(r"`([^`]+)`")
+# The input tables that must list every input of their workflow: (page, workflow).
+COMPLETE_INPUT_TABLES = {("README.md", "training_pipeline"), ("docs/retraining.md", "retrain_and_promote")}
+
+
+@dataclass(frozen=True)
+class Table:
+    page: str
+    line: int  # of the header row
+    context: str  # the page from the heading above the table down to the table, code blocks included
+    header: tuple[str, ...]
+    rows: tuple[tuple[str, ...], ...]
+
+    @property
+    def id(self) -> str:
+        return f"{self.page}:{self.line}"
+
+
+def split_row(line: str) -> tuple[str, ...]:
+    """The cells of a table row; ``\\|`` inside a cell is part of the cell."""
+    inner = TABLE_ROW.match(line).group(1)
+    return tuple(cell.strip() for cell in re.split(r"(?<!\\)\|", inner))
+
+
+def text_tables(name: str, text: str) -> list[Table]:
+    lines = text.splitlines()
+    _, prose = split_fences(text)
+    plain = prose.splitlines()
+    tables, i = [], 0
+    while i < len(plain) - 1:
+        if not (TABLE_ROW.match(plain[i]) and TABLE_RULE.match(plain[i + 1])):
+            i += 1
+            continue
+        end = i + 2
+        while end < len(plain) and TABLE_ROW.match(plain[end]):
+            end += 1
+        start = next((k for k in range(i, -1, -1) if HEADING.match(plain[k])), 0)
+        tables.append(Table(name, i + 1, "\n".join(lines[start:i]), split_row(plain[i]),
+                            tuple(split_row(row) for row in plain[i + 2:end])))
+        i = end
+    return tables
+
+
+def page_tables(page: Path) -> list[Table]:
+    return text_tables(page.relative_to(ROOT).as_posix(), page.read_text(encoding="utf-8"))
+
+
+ALL_TABLES = [table for page in PAGES for table in page_tables(page)]
+
+
+def is_flag_table(table: Table) -> bool:
+    return bool(table.rows) and all(row[0].startswith("`--") for row in table.rows)
+
+
+def documented_cli(table: Table) -> str | None:
+    """The module the table's section names first (``traincore.train``), or None."""
+    found = CLI_NAME.findall(table.context)
+    return found[0] if found else None
+
+
+def flag_table_problems(table: Table) -> list[str]:
+    """What a flag table gets wrong against its CLI's parser, in both directions."""
+    cli = documented_cli(table)
+    if cli is None:
+        return [f"{table.id}: a flag table whose section names no CLI of this repository "
+                "(e.g. traincore.train)"]
+    parser = parser_of(cli)
+    actions = [a for a in parser._actions if a.option_strings and not isinstance(a, argparse._HelpAction)]
+    options = _options(parser)
+    documented: dict[str, str] = {}  # flag -> what the table shows after it (its value or choices)
+    for row in table.rows:
+        for span in BACKTICKED.findall(row[0]):
+            if span.startswith("--"):
+                flag, _, shown = span.partition(" ")
+                documented[flag] = shown.replace("\\|", "|")
+    problems = [f"{table.id}: {cli} has no option {flag}" for flag in documented if flag not in options]
+    problems += [f"{table.id}: the table of {cli} omits {'/'.join(a.option_strings)}" for a in actions
+                 if not set(a.option_strings) & set(documented)]
+    for flag, shown in documented.items():
+        action = options.get(flag)
+        if action is not None and action.choices and "|" in shown:
+            if set(shown.split("|")) != {str(choice) for choice in action.choices}:
+                problems.append(f"{table.id}: {flag} shows {shown}, but {cli} accepts "
+                                f"{'|'.join(map(str, action.choices))}")
+    return problems
+
+
+@cache
+def workflow_files() -> dict[str, str]:
+    """Every @workflow of workflows/*.py: name -> file."""
+    found = {}
+    for path in sorted((ROOT / "workflows").glob("*.py")):
+        for name in re.findall(r"^@workflow\b.*\n(?:@.*\n)*def (\w+)\(", path.read_text(encoding="utf-8"),
+                               flags=re.MULTILINE):
+            found[name] = path.relative_to(ROOT).as_posix()
+    return found
+
+
+def is_input_table(table: Table) -> bool:
+    return bool(table.rows) and table.header[0].strip().lower() == "input"
+
+
+def documented_workflow(table: Table) -> str | None:
+    """The workflow the table's section names first, or None."""
+    names = "|".join(map(re.escape, workflow_files()))
+    found = re.findall(rf"(?<!\w)({names})(?!\w)", table.context)
+    return found[0] if found else None
+
+
+def shown_default(value) -> str:
+    """A default as the tables show it: ``""``, ``0``, ``false``, none, a string as it is."""
+    if value is None:
+        return "none"
+    if isinstance(value, bool):
+        return str(value).lower()
+    if value == "":
+        return '""'
+    return str(value)
+
+
+@cache
+def workflow_defaults(entity: str) -> dict[str, object]:
+    file = workflow_files()[entity]
+    module = importlib.import_module(Path(file).with_suffix("").as_posix().replace("/", "."))
+    return {name: default for name, (_, default) in
+            getattr(module, entity).python_interface.inputs_with_defaults.items()}
+
+
+def input_table_problems(table: Table) -> list[str]:
+    """Inputs the workflow does not have, defaults it does not use, and (for the tables that list them all)
+    inputs the table leaves out."""
+    entity = documented_workflow(table)
+    if entity is None:
+        return [f"{table.id}: an input table whose section names no workflow ({', '.join(workflow_files())})"]
+    defaults = workflow_defaults(entity)
+    problems, named = [], []
+    for row in table.rows:
+        names = BACKTICKED.findall(row[0])
+        shown = BACKTICKED.findall(row[1]) or [row[1].strip()] if len(row) > 1 else []
+        if len(shown) == 1:
+            shown = shown * len(names)
+        if len(shown) != len(names):
+            problems.append(f"{table.id}: row {row[0]}: {len(names)} inputs but {len(shown)} defaults")
+            shown = [None] * len(names)
+        for name, default in zip(names, shown, strict=True):
+            named.append(name)
+            if name not in defaults:
+                problems.append(f"{table.id}: {entity} has no input {name} (it has {', '.join(defaults)})")
+            elif default is not None and default != shown_default(defaults[name]):
+                problems.append(f"{table.id}: the default of {name} is {shown_default(defaults[name])}, "
+                                f"not {default}")
+    if (table.page, entity) in COMPLETE_INPUT_TABLES:
+        missing = [name for name in defaults if name not in named]
+        if missing:
+            problems.append(f"{table.id}: the table of {entity} omits {', '.join(missing)}")
+    return problems
+
+
+@cache
+def plan_line_pattern() -> re.Pattern:
+    """The line plan_run prints, as a regex: its f-string in tasks/plan.py with every field as ``.+?``."""
+    tree = ast.parse((ROOT / "tasks" / "plan.py").read_text(encoding="utf-8"))
+    for node in ast.walk(tree):
+        if isinstance(node, ast.JoinedStr) and node.values and isinstance(node.values[0], ast.Constant) \
+                and str(node.values[0].value).startswith("plan: preset "):
+            return re.compile("".join(re.escape(part.value) if isinstance(part, ast.Constant) else ".+?"
+                                      for part in node.values))
+    raise AssertionError("tasks/plan.py prints no line starting 'plan: preset '")
+
+
+def sample_plan_lines(text: str) -> list[tuple[int, str]]:
+    code, _ = split_fences(text)
+    return [(number, line.strip()) for number, line in code if line.strip().startswith("plan: preset ")]
+
+
 # --- the tests ------------------------------------------------------------------------------------------
 
 
@@ -379,18 +573,55 @@ def test_scripts_exist_and_are_executable(command):
     assert script.is_file() and os.access(script, os.X_OK), f"{command.id}: not an executable file"
 
 
-def _installs_an_extra(tokens: tuple[str, ...]) -> bool:
-    return tokens[0] == "pip" and any("flyte-torch-pipeline[" in token for token in tokens)
+PACKAGE_NAME = "flyte-torch-pipeline"
+EXTRA_SPEC = re.compile(r"^(?:\.|\./|" + re.escape(PACKAGE_NAME) + r")\[([\w,-]+)\]$")
 
 
-@pytest.mark.parametrize("command", _pick(_installs_an_extra))
-def test_pip_extras_exist(command):
+def _pip_install(tokens: tuple[str, ...]) -> bool:
+    return os.path.basename(tokens[0]) == "pip" and "install" in tokens
+
+
+def pip_problems(tokens: tuple[str, ...]) -> list[str]:
+    """A pip install of this package must name the checkout (``.[extra]``), with extras that exist."""
     pyproject = (ROOT / "pyproject.toml").read_text(encoding="utf-8")
     section = pyproject.split("[project.optional-dependencies]", 1)[1].split("\n[", 1)[0]
     extras = set(re.findall(r"^([\w-]+)\s*=", section, flags=re.MULTILINE))
-    named = [token.split("[", 1)[1].rstrip("]") for token in command.tokens if "-pipeline[" in token]
-    missing = [extra for name in named for extra in name.split(",") if extra not in extras]
-    assert not missing, f"{command.id}: pyproject.toml has no extra {missing}"
+    problems = []
+    for token in tokens[tokens.index("install") + 1:]:
+        if token.startswith(PACKAGE_NAME):
+            problems.append(f"{token}: {PACKAGE_NAME} is not published; from a checkout install "
+                            f"'.{token[len(PACKAGE_NAME):]}'")
+        match = EXTRA_SPEC.match(token)
+        if match:
+            problems += [f"pyproject.toml has no extra {extra}" for extra in match.group(1).split(",")
+                         if extra not in extras]
+    return problems
+
+
+@pytest.mark.parametrize("command", _pick(_pip_install))
+def test_pip_installs_the_checkout_with_extras_that_exist(command):
+    problems = pip_problems(command.tokens)
+    assert not problems, f"{command.id}: " + "; ".join(problems)
+
+
+@pytest.mark.parametrize("table", [t for t in ALL_TABLES if is_flag_table(t)], ids=lambda t: t.id)
+def test_flag_tables_match_their_parsers(table):
+    problems = flag_table_problems(table)
+    assert not problems, "; ".join(problems)
+
+
+@pytest.mark.parametrize("table", [t for t in ALL_TABLES if is_input_table(t)], ids=lambda t: t.id)
+def test_input_tables_match_their_workflows(table):
+    problems = input_table_problems(table)
+    assert not problems, "; ".join(problems)
+
+
+@pytest.mark.parametrize("page", PAGES, ids=lambda p: p.relative_to(ROOT).as_posix())
+def test_sample_plan_lines_have_the_printed_shape(page):
+    pattern = plan_line_pattern()
+    wrong = [f"{number}: {line}" for number, line in sample_plan_lines(page.read_text(encoding="utf-8"))
+             if not pattern.fullmatch(line)]
+    assert not wrong, f"lines unlike tasks/plan.py's ({pattern.pattern}): " + "; ".join(wrong)
 
 
 @pytest.mark.parametrize("page", PAGES, ids=lambda p: p.relative_to(ROOT).as_posix())
@@ -423,6 +654,17 @@ def test_the_pages_show_commands_of_every_kind():
         assert _pick(pick), f"no {kind} command found in {[p.name for p in PAGES]}"
     modules = {module_command(c.tokens)[0] for c in ALL_COMMANDS if module_command(c.tokens)}
     assert {"traincore.stage", "traincore.train", "traincore.export", "traincore.evaluate"} <= modules
+    assert _pick(_pip_install), "no pip install found"
+
+
+def test_the_pages_show_the_tables_and_lines_checked():
+    """The table and sample-line collectors find what they are meant to check."""
+    flag_tables = {(t.page, documented_cli(t)) for t in ALL_TABLES if is_flag_table(t)}
+    assert ("docs/core.md", "traincore.train") in flag_tables
+    input_tables = {(t.page, documented_workflow(t)) for t in ALL_TABLES if is_input_table(t)}
+    assert COMPLETE_INPUT_TABLES <= input_tables
+    assert ("docs/backends.md", "training_pipeline") in input_tables  # the Slurm inputs
+    assert sample_plan_lines((ROOT / "docs" / "retraining.md").read_text(encoding="utf-8"))
 
 
 def test_the_checks_fail_on_what_does_not_exist(tmp_path):
@@ -438,3 +680,58 @@ def test_the_checks_fail_on_what_does_not_exist(tmp_path):
     assert len(link_problems(page)) == 2
     page.write_text("see `traincore/no_such_module.py`, `tasks/slurm/connector.py`\n", encoding="utf-8")
     assert path_problems(page) == ["traincore/no_such_module.py does not exist"]
+    assert pip_problems(("pip", "install", f"{PACKAGE_NAME}[connector]"))
+    assert pip_problems(("pip", "install", "-e", ".[no-such-extra]"))
+    assert not pip_problems(("pip", "install", "-e", ".[connector,dev]"))
+    assert make_targets_of(tuple(tokenize("make run IMAGE=<registry>/<name>:<tag>"))) == ["run"]
+
+
+FLAG_TABLE = """## Training: `traincore.train`
+
+| flag | meaning |
+|---|---|
+| `--data DIR` | data |
+| `--checkpoint-mode sync\\|dcp` | modes |
+| `--no-such-flag` | nothing |
+"""
+
+
+def test_flag_table_check_fails_both_ways():
+    [table] = text_tables("page.md", FLAG_TABLE)
+    assert documented_cli(table) == "traincore.train"
+    problems = flag_table_problems(table)
+    assert "page.md:3: traincore.train has no option --no-such-flag" in problems
+    assert "page.md:3: the table of traincore.train omits --output" in problems
+    assert "page.md:3: the table of traincore.train omits --parallelism" in problems
+    assert any("--checkpoint-mode shows sync|dcp, but traincore.train accepts sync|dcp|async" in p
+               for p in problems)
+    [orphan] = text_tables("page.md", FLAG_TABLE.replace("`traincore.train`", "training"))
+    assert flag_table_problems(orphan) == ["page.md:3: a flag table whose section names no CLI of this "
+                                           "repository (e.g. traincore.train)"]
+
+
+def test_input_table_check_fails_both_ways():
+    text = """## Inputs of `training_pipeline`
+
+| input | default | meaning |
+|---|---|---|
+| `source` | `mnist` | wrong default |
+| `epochs` / `max_steps` | `0` / `0` | two at once |
+| `no_such_input` | `""` | unknown |
+"""
+    [table] = text_tables("README.md", text)
+    problems = input_table_problems(table)
+    assert "README.md:3: the default of source is digits, not mnist" in problems
+    assert any(p.startswith("README.md:3: training_pipeline has no input no_such_input") for p in problems)
+    [omits] = [p for p in problems if "omits" in p]
+    assert "nproc_per_node" in omits and "epochs" not in omits.split("omits", 1)[1]
+    [partial] = text_tables("docs/other.md", text)  # only the listed tables must be complete
+    assert not [p for p in input_table_problems(partial) if "omits" in p]
+
+
+def test_plan_line_check_fails_on_the_old_shape():
+    pattern = plan_line_pattern()
+    line = ("plan: preset debug, source digits (digits:sha256:0123), model small_cnn, 20 steps; "
+            "1 node(s) x 1 process(es) on local")
+    assert pattern.fullmatch(line + ", ddp")
+    assert not pattern.fullmatch(line)

@@ -20,6 +20,7 @@ import argparse
 import json
 import os
 import pickle
+import shlex
 import sys
 import tempfile
 from dataclasses import dataclass, field, replace
@@ -321,14 +322,12 @@ def load_exported(path: str | Path, trust_model: bool | str = False) -> tuple[nn
     path, config_path = Path(path), config_path_for(path)
     again = f"export it again: python -m traincore.export --checkpoint DIR --output {path}"
     if path.is_dir():
-        raise ExportError(f"model {path} is a directory: pass the exported file inside it, e.g. "
-                          f"{path / WEIGHTS_FILE}")
+        raise ExportError(_directory_problem(path))
     if config_path == path:
         raise ExportError(f"model {path} is the JSON config of an export: pass the weights file beside it, "
                           f"e.g. {path.with_suffix('.safetensors')}")
     if not path.is_file() or not config_path.is_file():
-        raise ExportError(f"exported model {path} or its config {config_path} is missing: run "
-                          f"python -m traincore.export --checkpoint DIR --output {path}")
+        raise ExportError(_missing_problem(path, config_path))
     config = _read_config(config_path, again)
     check_trusted(config["model"].get("name", ""), trust_model, f"exported model {path}")
     _check_safetensors(path)
@@ -337,6 +336,58 @@ def load_exported(path: str | Path, trust_model: bool | str = False) -> tuple[nn
         raise ExportError(f"{path} has sha256 {digest[:16]}..., but {config_path} records "
                           f"{config['sha256'][:16]}...: the file is corrupt or was replaced; export it again")
     return _load(path, config, str(path)), config
+
+
+def _directory_problem(path: Path) -> str:
+    """Why the directory ``path`` is not a model to load, and what to pass instead: for a training
+    checkpoint (or a run's output holding one), the export command that makes a model of it."""
+    checkpoint = _checkpoint_at(path)
+    if checkpoint is not None:
+        where = ("is a training checkpoint" if checkpoint == path.resolve() else
+                 f"lies in the training checkpoint {checkpoint}" if checkpoint in path.resolve().parents else
+                 f"holds the training checkpoint {checkpoint}")
+        return (f"model {path} {where}, not an exported model: export it with "
+                f"`{_export_command(checkpoint)}` and pass that --output as the model")
+    exports = sorted(path.glob("*.safetensors"))
+    if exports:
+        return f"model {path} is a directory: pass the exported file inside it, e.g. {exports[0]}"
+    return (f"model {path} is a directory and holds no exported model: pass the .safetensors file that "
+            "python -m traincore.export --checkpoint DIR --output FILE wrote")
+
+
+def _missing_problem(path: Path, config_path: Path) -> str:
+    """What to run when the export ``path`` (or its config) is missing: an export to ``path``, or, where
+    ``path`` lies in a committed step directory (export refuses to write there), one to a place it accepts."""
+    step = _inside_checkpoint(path)
+    if step is None:
+        return (f"exported model {path} or its config {config_path} is missing: run "
+                f"python -m traincore.export --checkpoint DIR --output {path}")
+    return (f"exported model {path} is missing, and cannot be made there: it lies in the training checkpoint "
+            f"{step}, which export never writes into. Export it with `{_export_command(step)}` and pass that "
+            "--output as the model")
+
+
+def _checkpoint_at(directory: Path) -> Path | None:
+    """The training checkpoint ``directory`` is, lies in or holds: a complete step directory (itself or one
+    above it), else a checkpoints root (itself, or its ``checkpoints`` sub-directory, as a run's output
+    has); None for any other directory."""
+    resolved = directory.resolve()
+    step = _inside_checkpoint(resolved / MARKER)  # the directory itself, or one above it
+    if step is not None:
+        return step
+    for root in (resolved, resolved / "checkpoints"):
+        if root.is_dir() and latest_complete(root) is not None:
+            return root
+    return None
+
+
+def _export_command(checkpoint: Path) -> str:
+    """The command that exports ``checkpoint`` (a step directory or a checkpoints root) into ``export/``
+    beside its checkpoints root: outside every checkpoint, where export writes."""
+    root = checkpoint.parent if (checkpoint / MARKER).is_file() else checkpoint
+    output = root.parent / "export" / WEIGHTS_FILE
+    return shlex.join(["python", "-m", "traincore.export", "--checkpoint", str(checkpoint),
+                       "--output", str(output)])
 
 
 def _read_config(config_path: Path, again: str) -> dict:

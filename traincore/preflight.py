@@ -29,7 +29,7 @@ from traincore.config import OWN_MODELS, Config, ModelConfig, is_imported_model,
 from traincore.data.manifest import Manifest, verify_staging
 from traincore.dist import resolve_backend
 from traincore.models import ModelImportError, build_model
-from traincore.telemetry.sinks import resolve_wandb_key
+from traincore.telemetry.sinks import check_wandb_reachable, resolve_wandb_key
 from traincore.warmstart import check, plan, read_init_file
 
 
@@ -37,10 +37,11 @@ def preflight(cfg: Config, data_dir: str | Path, output_dir: str | Path | None =
               checkpoint_dir: str | Path | Store | None = None) -> Manifest:
     """Check the config against the staged data before any process group starts; returns the manifest.
 
-    Also, so that nothing fails only once training has begun: the process-group backend against this
-    machine, the model against the staged sample shape (on the meta device: no memory, no compute) and,
-    when given, the output directory and the checkpoint root (created if missing, probed with a file), and
-    the checkpoint a resume would load (its step exists, its model and data match this run's).
+    Also, so that nothing fails only once training has begun: W&B online mode's key and server (reached
+    within a few seconds), the process-group backend against this machine, the model against the staged
+    sample shape (on the meta device: no memory, no compute) and, when given, the output directory and the
+    checkpoint root (created if missing, probed with a file), and the checkpoint a resume would load (its
+    step exists, its model and data match this run's).
 
     The splits a run reads are verified here (traincore.data.manifest.verify_staging: labels every time, image
     shards hashed once per staging), so a corrupt staging fails with a StagingError naming the file.
@@ -51,6 +52,7 @@ def preflight(cfg: Config, data_dir: str | Path, output_dir: str | Path | None =
         raise ValueError(f"loader.batch_size={cfg.loader.batch_size} exceeds the {train_count} training "
                          f"samples in {data_dir}: lower loader.batch_size")
     resolve_wandb_key(cfg.telemetry.wandb_mode)  # online mode without a key fails here, not in a worker
+    check_wandb_reachable(cfg.telemetry.wandb_mode)  # nor without network (rank 0, after wandb's retries)
     if cfg.model.name == "vit_b_16" and manifest.shape[1] % 16:
         raise ValueError(f"model.name='vit_b_16' needs an image size divisible by 16; {data_dir} is staged "
                          f"at {manifest.shape[1]}: stage again with a multiple of 16")

@@ -22,15 +22,17 @@ from traincore.config import Config
 
 @dynamic
 def train_on_backend(config: Config, dataset: StagedDataset, topology: Topology, checkpoint_uri: str,
-                     interruptible: bool) -> TrainResult:
+                     capacity: str) -> TrainResult:
     """Launch the train task the topology asks for; the checkpoint root is fixed here, so retries share it.
 
-    ``interruptible`` lets Flyte schedule the train pods on spot / preemptible nodes: an eviction saves the
-    step reached (checkpoint.preemption_grace_s) and the task's retries resume from it.
+    ``capacity='preemptible'`` marks the train node interruptible, so Flyte may schedule its pods on spot /
+    preemptible nodes: an eviction saves the step reached (checkpoint.preemption_grace_s) and the task's
+    retries resume from it. (A string, not a bool input: pyflyte run declares every bool input's flag twice
+    and warns on each run; and not ``interruptible``, which pyflyte run has as an option of its own.)
     """
     root = checkpoint_uri or default_checkpoint_root()
     train = train_task_for(topology, config)(config=config, dataset=dataset, checkpoint_root=root)
-    return train.with_overrides(interruptible=interruptible) if interruptible else train
+    return train.with_overrides(interruptible=True) if capacity == "preemptible" else train
 
 
 class PipelineOutputs(NamedTuple):
@@ -54,7 +56,7 @@ def training_pipeline(
     max_restarts: int = 0,
     parallelism: str = "ddp",
     checkpoint_uri: str = "",
-    interruptible: bool = False,
+    capacity: str = "on-demand",
     slurm_target: str = "",
     slurm_partition: str = "",
     slurm_account: str = "",
@@ -84,9 +86,10 @@ def training_pipeline(
             optimizer state sharded across the processes: for models that do not fit one device).
         checkpoint_uri: Durable checkpoint root (path or s3://, gs://...); empty = keyed by execution id under
             the raw output prefix. A retry or relaunch with the same root resumes from its latest checkpoint.
-        interruptible: backend 'kubernetes': run the train pods on spot / preemptible nodes. An eviction
-            (SIGTERM) saves the step reached within checkpoint.preemption_grace_s, and Flyte's retries
-            resume from it with no step lost. On Slurm, pick a preemptible partition or QOS instead.
+        capacity: 'on-demand', or 'preemptible' (backend 'kubernetes'): run the train pods on spot /
+            preemptible nodes. An eviction (SIGTERM) saves the step reached within
+            checkpoint.preemption_grace_s, and Flyte's retries resume from it with no step lost. On Slurm,
+            pick a preemptible partition or QOS instead.
         slurm_target: backend 'slurm': ssh Host alias (~/.ssh/config) or hostname of the login node.
         slurm_partition: backend 'slurm': partition (empty = the cluster's default).
         slurm_account: backend 'slurm': account to charge (empty = your default).
@@ -109,10 +112,10 @@ def training_pipeline(
                     parallelism=parallelism, checkpoint_uri=checkpoint_uri, slurm_target=slurm_target,
                     slurm_partition=slurm_partition, slurm_account=slurm_account,
                     slurm_time_limit=slurm_time_limit, slurm_sbatch_flags=slurm_sbatch_flags,
-                    slurm_setup=slurm_setup, store_secret=store_secret)
+                    slurm_setup=slurm_setup, store_secret=store_secret, capacity=capacity)
     dataset = stage_dataset(data=plan.data, source_fingerprint=plan.source_fingerprint)
     trained = train_on_backend(config=plan.config, dataset=dataset, topology=plan.topology,
-                               checkpoint_uri=checkpoint_uri, interruptible=interruptible)
+                               checkpoint_uri=checkpoint_uri, capacity=capacity)
     model = export_model(trained=trained, dataset=dataset)
     report = evaluate_model(model=model, dataset=dataset, trained=trained)
     return PipelineOutputs(model=model, report=report, dataset=dataset)

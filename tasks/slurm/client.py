@@ -57,6 +57,15 @@ class CommandResult:
     stderr: str
 
 
+@dataclass(frozen=True)
+class NodeSize:
+    """One node as Slurm describes it: its name, CPUs and memory (RealMemory, in MB)."""
+
+    name: str
+    cpus: int
+    mem_mb: int
+
+
 def _check_job_id(job_id: str | int) -> str:
     """A job id is interpolated into remote shell commands: accept only Slurm's id shapes."""
     text = str(job_id).strip()
@@ -313,6 +322,20 @@ class SlurmClient:
                        "while IFS= read -r d; do [ -d \"$d\" ] && "
                        f"[ -z \"$(find \"$d\" -mmin -{int(quiet_minutes)} -print -quit)\" ] && "
                        "rm -rf -- \"$d\"; done; exit 0")
+
+    async def node_sizes(self, partition: str | None = None) -> list[NodeSize]:
+        """The nodes of ``partition`` (the cluster's default partition when None) with their CPUs and
+        memory, largest first, from sinfo (one line per node and partition)."""
+        listing = await self.run("sinfo -h -N -o '%P|%N|%c|%m'")
+        sizes = []
+        for line in listing.splitlines():
+            fields = line.strip().split("|")
+            if len(fields) != 4 or not (fields[2].isdigit() and fields[3].isdigit()):
+                continue
+            name = fields[0].rstrip("*")
+            if name == partition or (partition is None and fields[0].endswith("*")):
+                sizes.append(NodeSize(fields[1], int(fields[2]), int(fields[3])))
+        return sorted(set(sizes), key=lambda size: (size.cpus, size.mem_mb), reverse=True)
 
     async def partition_nodes(self, partition: str | None = None) -> int:
         """Node count of ``partition`` (the cluster's default partition when None), from sinfo."""

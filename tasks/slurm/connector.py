@@ -40,18 +40,20 @@ from flytekit.extend.backend.base_connector import (
 )
 from flytekit.extend.backend.utils import render_task_template
 from flytekit.models.literals import LiteralMap
-from flytekit.models.task import TaskTemplate
+from flytekit.models.task import Resources, TaskTemplate
 from rich.markup import escape
 
 from tasks.plan import LaunchInputError
-from tasks.slurm.client import SlurmClient
-from tasks.slurm.job import batch_script, sbatch_args
-from tasks.slurm.report import failure_message, headline, success_message
+from tasks.slurm.client import NodeSize, SlurmClient
+from tasks.slurm.job import NodeRequest, batch_script, node_request, sbatch_args
+from tasks.slurm.report import JobEnd, failure_message, headline, success_message
 from tasks.slurm.ssh import SlurmConnectionError, SlurmTarget
 from tasks.slurm.states import JobInfo, Outcome, SlurmError
-from tasks.train import TopologyTaskMixin, task_settings, train_function
+from tasks.storage import checkpoint_store
+from tasks.train import TopologyTaskMixin, stop_preempted, task_settings, train_function
 from tasks.types import Topology
 from traincore.config import Config
+from traincore.preemption import read_record
 
 SLURM_TASK_TYPE = "slurm_train"
 JOBS_DIR = ".flyte-torch-pipeline/slurm-jobs"  # on the login node, relative to the user's home
@@ -101,9 +103,18 @@ async def _task_inputs(inputs: LiteralMap | None) -> tuple[Config, str]:
     return config, root.scalar.primitive.string_value if root is not None else ""
 
 
-async def check_cluster(client: SlurmClient, topology: Topology) -> None:
-    """The login node has the Slurm commands and the partition has ``nnodes`` nodes, or a LaunchInputError
-    that names the input and the fix."""
+def template_request(template: TaskTemplate) -> NodeRequest:
+    """What each node's task asks for: the task template's resource requests."""
+    names = {Resources.ResourceName.CPU: "cpu", Resources.ResourceName.MEMORY: "memory",
+             Resources.ResourceName.GPU: "gpu"}
+    requests = template.container.resources.requests if template.container else []
+    return node_request({names[entry.name]: entry.value for entry in requests if entry.name in names})
+
+
+async def check_cluster(client: SlurmClient, topology: Topology, request: NodeRequest) -> None:
+    """The login node has the Slurm commands, the partition has ``nnodes`` nodes and one of them at least
+    the CPUs and memory each node's task asks for, or a LaunchInputError that names the input and the
+    fix."""
     slurm = topology.slurm
     missing = await client.missing_commands(SLURM_COMMANDS)
     if missing:
@@ -118,6 +129,24 @@ async def check_cluster(client: SlurmClient, topology: Topology) -> None:
         where = f"partition {slurm.partition!r}" if slurm.partition else "the default partition"
         raise LaunchInputError(f"input nnodes={topology.nnodes} exceeds the {nodes} node(s) of {where} on "
                                f"{slurm.target}: lower nnodes or choose a larger slurm_partition")
+    check_node_size(await client.node_sizes(slurm.partition or None), topology, request)
+
+
+def check_node_size(sizes: list[NodeSize], topology: Topology, request: NodeRequest) -> None:
+    """Some node of the partition (``sizes``, largest first) has the CPUs and memory each node's task asks
+    for, or a LaunchInputError naming the request, where it comes from, the largest node and the fix."""
+    if not sizes or any(size.cpus >= request.cpus and size.mem_mb >= request.mem_mib for size in sizes):
+        return
+    slurm, largest = topology.slurm, sizes[0]
+    where = f"partition {slurm.partition!r}" if slurm.partition else "the default partition"
+    nproc = topology.nproc_per_node
+    raise LaunchInputError(
+        f"input nproc_per_node={nproc}: each node's task asks for {request.cpus} CPUs and "
+        f"{request.mem_mib} MB of memory ({nproc} process(es) x the train task's per-process requests), "
+        f"but no node of {where} on {slurm.target} has that: the largest, {largest.name}, has "
+        f"{largest.cpus} CPUs and {largest.mem_mb} MB. Lower nproc_per_node, choose another "
+        "slurm_partition, or size the job yourself in slurm_sbatch_flags, e.g. "
+        f"'--cpus-per-task={largest.cpus} --mem={largest.mem_mb}M'")
 
 
 class SlurmTrainConnector(AsyncConnectorBase):
@@ -133,7 +162,7 @@ class SlurmTrainConnector(AsyncConnectorBase):
         self._requeued_since: dict[str, float] = {}  # job id -> first seen waiting after a requeue
         # job id -> final outcome and message: what a local run prints or raises once the job ended. A
         # local run takes its entry; a connector service never does, so only the newest LAST_KEPT are kept.
-        self.last: dict[str, tuple[Outcome, str]] = {}
+        self.last: dict[str, JobEnd] = {}
 
     async def _client(self, target: str) -> SlurmClient:
         """One SSH connection per target, reopened after a failure."""
@@ -158,12 +187,13 @@ class SlurmTrainConnector(AsyncConnectorBase):
         config, checkpoint_root = await _task_inputs(inputs)
         entrypoint = list(render_task_template(task_template, output_prefix).container.args)
         job_dir = f"{JOBS_DIR}/{output_prefix.rstrip('/').rsplit('/', 1)[-1] or 'job'}"
+        request = template_request(task_template).without(topology.slurm.sbatch_flags)
         try:
-            await check_cluster(await self._client(target), topology)
+            await check_cluster(await self._client(target), topology, request)
         except SlurmConnectionError as exc:
             raise LaunchInputError(f"input slurm_target={target!r}: {exc}") from exc
         job_id = await self._call(target, "submit", batch_script(topology, entrypoint), job_dir,
-                                  sbatch_args(topology, config.checkpoint.preemption_grace_s),
+                                  sbatch_args(topology, config.checkpoint.preemption_grace_s, request),
                                   forwarded_env(os.environ))
         log.info("submitted Slurm job %s to %s (%d node(s))", job_id, target, topology.nnodes)
         try:
@@ -182,21 +212,24 @@ class SlurmTrainConnector(AsyncConnectorBase):
         else:
             self._requeued_since.pop(job.job_id, None)
         if job.finished:
-            outcome, message = await self._final(resource_meta, job)
+            end = await self._final(resource_meta, job)
+            outcome, message = end.outcome, end.message
+            self.last[job.job_id] = end
+        elif outcome not in (Outcome.QUEUED, Outcome.RUNNING):  # cancelled after a requeue's long wait
+            self.last[job.job_id] = JobEnd(outcome, message)
         if outcome not in (Outcome.QUEUED, Outcome.RUNNING):
-            self.last[job.job_id] = (outcome, message)
             while len(self.last) > LAST_KEPT:
                 del self.last[next(iter(self.last))]  # the oldest: dicts keep insertion order
         return Resource(phase=PHASES[outcome], message=_for_display(message))
 
-    async def _final(self, meta: SlurmJobMeta, job: JobInfo) -> tuple[Outcome, str]:
+    async def _final(self, meta: SlurmJobMeta, job: JobInfo) -> JobEnd:
         async def tail(path: str, lines: int) -> str:
             return await self._call(meta.target, "tail", path, lines)
 
         if job.outcome is Outcome.SUCCEEDED:
-            return Outcome.SUCCEEDED, await success_message(job, meta.target, tail)
+            return JobEnd(Outcome.SUCCEEDED, await success_message(job, meta.target, tail))
         if job.outcome is Outcome.ABORTED:
-            return Outcome.ABORTED, headline(job, meta.target)
+            return JobEnd(Outcome.ABORTED, headline(job, meta.target))
         return await failure_message(job, meta.target, meta.output_prefix, meta.checkpoint_root, tail)
 
     async def _waiting_after_requeue(self, meta: SlurmJobMeta, job: JobInfo,
@@ -278,13 +311,17 @@ class SlurmTrainTask(TopologyTaskMixin, AsyncConnectorExecutorMixin, PythonFunct
                 outputs = super().execute(**kwargs)
         except FlyteUserException:
             job_id = self.resource_meta.job_id if self.resource_meta else ""
-            outcome, message = CONNECTOR.last.pop(job_id, (None, ""))
-            if outcome is None:  # not the job's verdict (flytekit's own error): as it is
+            end = CONNECTOR.last.pop(job_id, None)
+            if end is None:  # not the job's verdict (flytekit's own error): as it is
                 raise
-            if outcome is Outcome.RETRYABLE:  # preempted, timed out, node or worker lost: retries apply
-                raise FlyteRecoverableException(message) from None
-            raise FlyteUserException(message) from None
-        print(CONNECTOR.last.pop(self.resource_meta.job_id)[1], flush=True)
+            if end.preempted_by:  # saved what it reached: as the elastic task ends a preempted attempt
+                root = kwargs["checkpoint_root"]
+                stop_preempted(read_record(checkpoint_store(root, self.topology.store_secret))
+                               or end.preempted_by, root, self.topology.store_secret)
+            if end.outcome is Outcome.RETRYABLE:  # timed out, node or worker lost: retries apply
+                raise FlyteRecoverableException(end.message) from None
+            raise FlyteUserException(end.message) from None
+        print(CONNECTOR.last.pop(self.resource_meta.job_id).message, flush=True)
         return outputs
 
     def connector_signal_handler(self, resource_meta: SlurmJobMeta, signum: int, frame: Any) -> None:

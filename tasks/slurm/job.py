@@ -14,18 +14,21 @@ own (``slurm-<job>-<node>.err``). :func:`task_failures` orders them so that the 
 
 from __future__ import annotations
 
+import argparse
 import logging
 import math
 import posixpath
+import re
 import shlex
 import sys
 from dataclasses import dataclass
 
-from flyteidl.core import errors_pb2
+from flyteidl.core import errors_pb2, execution_pb2
 from flytekit.core import utils
 from flytekit.core.context_manager import FlyteContextManager
+from google.protobuf.timestamp_pb2 import Timestamp
 
-from tasks.failures import killed_rank
+from tasks.failures import killed_rank, preemption_signal
 from tasks.slurm.states import JobInfo, Outcome
 from tasks.types import Topology
 from traincore.preemption import PREEMPTED_EXIT_CODE
@@ -46,17 +49,67 @@ def warning_lead_s(grace_s: float) -> int:
     return math.ceil(grace_s) + SIGNAL_MARGIN_S
 
 
-def sbatch_args(topology: Topology, grace_s: float) -> list[str]:
-    """The sbatch command-line flags of the job: nodes, GPUs, partition, account, time, the warning signal
-    before the time limit, extra flags. A requeued job appends to its logs instead of overwriting them."""
+@dataclass(frozen=True)
+class NodeRequest:
+    """What the job asks of each node: CPUs, memory and GPUs. One Slurm task runs per node, so these are
+    the train task's requests, which are already per node (nproc_per_node times the per-process requests,
+    tasks/train.py). 0 = not asked: the partition's default, or the user's own sbatch flag."""
+
+    cpus: int = 0
+    mem_mib: int = 0
+    gpus: int = 0
+
+    def flags(self) -> list[str]:
+        """``--cpus-per-task``, ``--mem`` and ``--gres=gpu:N`` for what is asked."""
+        return [flag for value, flag in ((self.cpus, f"--cpus-per-task={self.cpus}"),
+                                         (self.mem_mib, f"--mem={self.mem_mib}M"),
+                                         (self.gpus, f"--gres=gpu:{self.gpus}")) if value]
+
+    def without(self, sbatch_flags: str) -> NodeRequest:
+        """This request less what the user's own sbatch flags already ask (``--mem-per-cpu`` instead of
+        ``--mem``, say: sbatch refuses the two together), so that theirs hold."""
+        given = {arg.split("=", 1)[0] for arg in shlex.split(sbatch_flags) if arg.startswith("-")}
+        return NodeRequest(cpus=0 if given & _CPU_FLAGS else self.cpus,
+                           mem_mib=0 if given & _MEM_FLAGS else self.mem_mib,
+                           gpus=0 if given & _GPU_FLAGS else self.gpus)
+
+
+_CPU_FLAGS = frozenset({"-c", "--cpus-per-task", "--cpus-per-gpu"})
+_MEM_FLAGS = frozenset({"--mem", "--mem-per-cpu", "--mem-per-gpu"})
+_GPU_FLAGS = frozenset({"--gres", "-G", "--gpus", "--gpus-per-node", "--gpus-per-task"})
+_QUANTITY = re.compile(r"^(\d+(?:\.\d+)?)([a-zA-Z]*)$")
+_BYTES = {"": 1, "k": 1e3, "M": 1e6, "G": 1e9, "T": 1e12, "Ki": 2**10, "Mi": 2**20, "Gi": 2**30,
+          "Ti": 2**40}
+
+
+def _quantity(text: str) -> float:
+    """A Kubernetes resource quantity (``4``, ``500m``, ``12Gi``) as a number (CPUs, or bytes)."""
+    match = _QUANTITY.match(text.strip())
+    if not match or (match.group(2) not in _BYTES and match.group(2) != "m"):
+        raise ValueError(f"not a resource quantity: {text!r}")
+    number, unit = float(match.group(1)), match.group(2)
+    return number / 1000 if unit == "m" else number * _BYTES[unit]
+
+
+def node_request(requests: dict[str, str]) -> NodeRequest:
+    """The node request of a task's resource requests (``{"cpu": "4", "memory": "12Gi", "gpu": "1"}``):
+    CPUs rounded up, memory in MiB rounded up."""
+    return NodeRequest(cpus=math.ceil(_quantity(requests.get("cpu", "0"))),
+                       mem_mib=math.ceil(_quantity(requests.get("memory", "0")) / 2**20),
+                       gpus=math.ceil(_quantity(requests.get("gpu", "0"))))
+
+
+def sbatch_args(topology: Topology, grace_s: float, request: NodeRequest) -> list[str]:
+    """The sbatch command-line flags of the job: nodes, each node's CPUs, memory and GPUs (``request``,
+    less what ``slurm_sbatch_flags`` ask themselves), partition, account, time, the warning signal before
+    the time limit, extra flags. A requeued job appends to its logs instead of overwriting them."""
     slurm = topology.slurm
     # No "B:": the signal goes to the job's steps, i.e. srun's tasks and every process under them (the
     # torch elastic agents and their workers), not to the batch shell that waits for srun.
     args = [f"--nodes={topology.nnodes}", "--ntasks-per-node=1", f"--job-name={JOB_NAME}",
             "--output=slurm-%j.out", "--error=slurm-%j.err", "--open-mode=append",
             f"--signal=TERM@{warning_lead_s(grace_s)}"]
-    if topology.gpus_per_node:
-        args.append(f"--gres=gpu:{topology.gpus_per_node}")
+    args += request.without(slurm.sbatch_flags).flags()
     flags = (("partition", slurm.partition), ("account", slurm.account), ("time", slurm.time_limit))
     for flag, value in flags:
         if value:
@@ -99,14 +152,24 @@ if [ "$attempt" -gt 1 ]; then python -m tasks.slurm.job --clear {prefix}; fi
 node_task() {{
     export FLYTE_INTERNAL_WORKER_NAME="$SLURMD_NODENAME"
     # The warning signal (or a preemption's) reaches every process of the step, this shell too: it waits
-    # for the task, which saves its step, then gives the verdict (a trap, unlike an ignored signal, is not
-    # inherited by the task).
-    trap : TERM INT
-    "$@" && python -m tasks.slurm.job --node "$SLURMD_NODENAME" {prefix}
+    # for the task, which saves its step, then gives the verdict, told whether the signal came (a trap,
+    # unlike an ignored signal, is not inherited by the task).
+    signalled=""
+    trap 'signalled=SIGTERM' TERM
+    trap 'signalled=SIGINT' INT
+    status=0
+    "$@" || status=$?
+    python -m tasks.slurm.job --node "$SLURMD_NODENAME" --status "$status" --signal "$signalled" {prefix}
 }}
 export -f node_task
-srun --nodes={nodes} --ntasks-per-node=1 --kill-on-bad-exit=1 --error=slurm-%j-%N.err --open-mode=append \\
-    bash -c 'node_task "$@"' node {shlex.join(entrypoint)}
+status=0
+# srun gives its task the job's CPUs per task only when told (Slurm 22.05 stopped reading it from sbatch).
+srun --nodes={nodes} --ntasks-per-node=1 ${{SLURM_CPUS_PER_TASK:+--cpus-per-task=$SLURM_CPUS_PER_TASK}} \\
+    --kill-on-bad-exit=1 --error=slurm-%j-%N.err --open-mode=append \\
+    bash -c 'node_task "$@"' node {shlex.join(entrypoint)} || status=$?
+# The job's verdict from all the nodes' error documents: srun exits with the largest of the nodes' codes,
+# and a node it stopped because another failed first (--kill-on-bad-exit) shows 143, not the cause.
+python -m tasks.slurm.job --job --status "$status" {prefix}
 """
 
 
@@ -125,6 +188,12 @@ class TaskFailure:
         peers' collective errors), else None: read from the train task's own first line
         (tasks.failures.first_failure)."""
         return killed_rank(self.message)
+
+    @property
+    def preempted_by(self) -> str | None:
+        """The signal's name when the node's task was preempted (a time limit's warning, a preemption),
+        else None (tasks.failures.preemption_signal)."""
+        return preemption_signal(self.message)
 
     def summary(self) -> str:
         """Where it failed and how, in one line: the node, and the rank and signal when one killed it."""
@@ -183,21 +252,70 @@ def _clear(output_prefix: str) -> None:
         fs.rm(path)
 
 
-def main(argv: list[str] | None = None) -> int:
-    """``python -m tasks.slurm.job --node NODE OUTPUT_PREFIX``: one node's verdict. Exit 75 (retry) when the
-    node's failure is recoverable, 1 when it is not, printing it; 0 when the node did not fail.
-    ``python -m tasks.slurm.job --clear OUTPUT_PREFIX`` removes an earlier attempt's error documents."""
-    args = sys.argv[1:] if argv is None else argv
-    if args[0] == "--clear":
-        _clear(args[1])
-        return 0
-    _, node, output_prefix = args
+def _write_signalled(output_prefix: str, node: str, signal_name: str) -> str:
+    """Leave the error document of a node whose task a signal ended before it could write one (while it
+    started: its workers had no step to save): recoverable, so that a retry runs. Returns its message."""
+    message = (f"stopped by {signal_name} while the task started, before this attempt trained a step: "
+               "nothing new to save")
+    stamp = Timestamp()
+    stamp.GetCurrentTime()
+    document = errors_pb2.ErrorDocument(error=errors_pb2.ContainerError(
+        code="Signalled", message=message, kind=errors_pb2.ContainerError.RECOVERABLE,
+        origin=execution_pb2.ExecutionError.USER, timestamp=stamp, worker=node))
+    ctx = FlyteContextManager.current_context()
+    local = ctx.file_access.get_random_local_path()
+    utils.write_proto_to_file(document, local)
+    ctx.file_access.put_data(local, f"{output_prefix.rstrip('/')}/error-{node}-signalled.pb")
+    return message
+
+
+def node_verdict(output_prefix: str, node: str, status: int, signal_name: str) -> int:
+    """One node's verdict after its task exited with ``status``: 75 (retry) when the node's failure is
+    recoverable, or a signal ended its task before it wrote one; 1 when its failure is not recoverable,
+    printing it; else the task's own status (0 when the node did not fail)."""
     failures = [failure for failure in task_failures(output_prefix) if failure.node == node]
-    if not failures:
+    if failures:
+        first = failures[0]
+        print(f"the task failed ({first.summary()}): {first.message}", file=sys.stderr, flush=True)
+        return PREEMPTED_EXIT_CODE if first.recoverable else 1
+    if status and signal_name:
+        message = _write_signalled(output_prefix, node, signal_name)
+        print(f"the task was {message}", file=sys.stderr, flush=True)
+        return PREEMPTED_EXIT_CODE
+    return status
+
+
+def job_verdict(output_prefix: str, status: int) -> int:
+    """The job's exit code once every node ended (``status``: srun's): 75 when the first failure, the
+    cause, is recoverable; 1 when it is not; srun's own code when no node left an error document."""
+    if status == 0:
         return 0
-    first = failures[0]
-    print(f"the task failed ({first.summary()}): {first.message}", file=sys.stderr, flush=True)
-    return PREEMPTED_EXIT_CODE if first.recoverable else 1
+    failures = task_failures(output_prefix)
+    if not failures:
+        return status
+    return PREEMPTED_EXIT_CODE if failures[0].recoverable else 1
+
+
+def main(argv: list[str] | None = None) -> int:
+    """The batch script's helpers, on the job's nodes:
+    ``python -m tasks.slurm.job --node NODE --status N [--signal SIG] OUTPUT_PREFIX``: one node's verdict;
+    ``python -m tasks.slurm.job --job --status N OUTPUT_PREFIX``: the job's;
+    ``python -m tasks.slurm.job --clear OUTPUT_PREFIX``: remove an earlier attempt's error documents."""
+    parser = argparse.ArgumentParser(prog="python -m tasks.slurm.job")
+    which = parser.add_mutually_exclusive_group(required=True)
+    which.add_argument("--node")
+    which.add_argument("--job", action="store_true")
+    which.add_argument("--clear", action="store_true")
+    parser.add_argument("--status", type=int, default=0)
+    parser.add_argument("--signal", default="")
+    parser.add_argument("output_prefix")
+    args = parser.parse_args(argv)
+    if args.clear:
+        _clear(args.output_prefix)
+        return 0
+    if args.job:
+        return job_verdict(args.output_prefix, args.status)
+    return node_verdict(args.output_prefix, args.node, args.status, args.signal)
 
 
 if __name__ == "__main__":

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import signal
 from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
 
 from tasks.slurm.job import job_outcome, node_stderr, task_failures
 from tasks.slurm.states import JobInfo, Outcome
@@ -26,9 +27,14 @@ def _signal_name(number: int) -> str:
         return f"signal {number}"
 
 
-def headline(job: JobInfo, target: str) -> str:
+def headline(job: JobInfo, target: str, preempted_by: str | None = None) -> str:
     """``Slurm job 12 FAILED, exit code 1 on hpc-login``: the state, how it ended where that means
-    something, Slurm's reason and the cluster."""
+    something, Slurm's reason and the cluster. A job whose nodes stopped on a signal from Slurm
+    (``preempted_by``: a time limit's warning, or a preemption with a grace time) and ended on their own
+    says so instead of FAILED."""
+    if preempted_by and job.state in _EXIT_STATES:
+        return (f"Slurm job {job.job_id} signalled ({preempted_by}: its time limit was near, or it was "
+                f"preempted) on {target}")
     text = f"Slurm job {job.job_id} {job.state}"
     if job.state in _EXIT_STATES:
         if job.signal:
@@ -55,14 +61,25 @@ def _last_lines(text: str, count: int) -> str:
     return "\n".join((["..."] if len(lines) > count else []) + lines[-count:])
 
 
+@dataclass(frozen=True)
+class JobEnd:
+    """How a finished job ended, for its task: the outcome, the message, and the signal that preempted it
+    (None unless its nodes stopped on one and saved what they could)."""
+
+    outcome: Outcome
+    message: str
+    preempted_by: str | None = None
+
+
 async def failure_message(job: JobInfo, target: str, output_prefix: str, checkpoint_root: str,
-                          tail: Tail) -> tuple[Outcome, str]:
+                          tail: Tail) -> JobEnd:
     """A failed job's outcome (from its state and the nodes' error documents) and its message: the
     headline, the first failure (node, rank and signal where one killed a worker, the end of its error),
     where a retry resumes, and the last lines of the failed node's stderr (else the job's)."""
     failures = task_failures(output_prefix)
     outcome = job_outcome(job, failures)
-    parts = [headline(job, target)]
+    preempted_by = failures[0].preempted_by if failures and outcome is Outcome.RETRYABLE else None
+    parts = [headline(job, target, preempted_by)]
     stderr = job.stderr_path
     if failures:
         first = failures[0]
@@ -75,4 +92,4 @@ async def failure_message(job: JobInfo, target: str, output_prefix: str, checkpo
         text = await tail(stderr, TAIL_LINES)
         if text.strip():
             parts.append(f"last lines of {stderr}:\n{text.rstrip()}")
-    return outcome, "\n".join(parts)
+    return JobEnd(outcome, "\n".join(parts), preempted_by)

@@ -15,7 +15,7 @@ from workflows.pipeline import train_on_backend
 IMAGE = "ghcr.io/example/flyte-torch-pipeline:test"
 
 
-def compile_dynamic(topology: Topology, interruptible: bool = False):
+def compile_dynamic(topology: Topology, capacity: str = "on-demand"):
     """Run the launching @dynamic as the cluster would: the DynamicJobSpec (nodes and task templates)."""
     settings = SerializationSettings(image_config=ImageConfig(default_image=Image(name="default",
                                                                                   fqn=IMAGE.split(":")[0],
@@ -26,7 +26,7 @@ def compile_dynamic(topology: Topology, interruptible: bool = False):
                             counts={"train": 1437, "val": 180, "test": 180}, format_version=1,
                             source_fingerprint="digits:sha256:" + "0" * 32)
     inputs = {"config": preset("digits"), "dataset": dataset, "topology": topology,
-              "checkpoint_uri": "s3://bucket/run", "interruptible": interruptible}
+              "checkpoint_uri": "s3://bucket/run", "capacity": capacity}
     train_on_backend._wf = None  # flytekit compiles a dynamic once per process (a pod runs one); start afresh
     ctx = FlyteContextManager.current_context()
     with FlyteContextManager.with_context(ctx.with_serialization_settings(settings)) as ctx:

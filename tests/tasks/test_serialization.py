@@ -99,9 +99,9 @@ def test_single_node_launch_stays_a_plain_pod():
     assert not template.extended_resources.gpu_accelerator.device
 
 
-def test_interruptible_input_puts_the_train_node_on_preemptible_capacity():
+def test_preemptible_capacity_puts_the_train_node_on_preemptible_capacity():
     topology = Topology(backend="kubernetes", nnodes=2, nproc_per_node=1)
-    (asked,) = [node for node in compile_dynamic(topology, interruptible=True).nodes
+    (asked,) = [node for node in compile_dynamic(topology, capacity="preemptible").nodes
                 if node.task_node and node.task_node.reference_id.name.startswith("tasks.train.")]
     assert asked.metadata.interruptible is True
     (default,) = compile_dynamic(topology).nodes

@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import re
+import shlex
+import subprocess
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -12,6 +15,7 @@ import torch.nn.functional as F
 from sklearn.metrics import confusion_matrix as sk_confusion
 from sklearn.metrics import precision_score, recall_score
 
+import traincore.export
 from traincore.data.loader import StagedSplit
 from traincore.data.manifest import StagingError
 from traincore.evaluate import confusion_matrix, evaluate, main, precision_recall, resolve_device
@@ -125,3 +129,29 @@ def test_cli_names_bad_inputs_without_a_traceback(exported, synthetic_dir, tmp_p
     assert "is not valid JSON" in err and "export it again" in err and "Traceback" not in err
     assert main(["--model", str(exported), "--data", str(synthetic_dir), "--device", "tpu"]) == 2
     assert "error: device 'tpu' (--device)" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("given", ["run output", "checkpoints root", "step directory", "file in a step"])
+def test_a_checkpoint_given_as_the_model_gets_an_export_command_that_works(given, exported, synthetic_dir,
+                                                                           capsys):
+    """The command the error suggests exports (run as printed; as a real process for a step directory, the
+    case a user hits first), and evaluating its output works."""
+    train = Path(exported).parent.parent / "train"
+    step = next((train / "checkpoints").glob("step-*"))
+    model = {"run output": train, "checkpoints root": train / "checkpoints", "step directory": step,
+             "file in a step": step / "model.safetensors"}[given]
+    assert main(["--model", str(model), "--data", str(synthetic_dir)]) == 2
+    error = capsys.readouterr().err
+    assert "not an exported model" in error or "cannot be made there" in error, error
+    command = shlex.split(re.search(r"`(python -m traincore\.export [^`]+)`", error).group(1))
+    assert command[:3] == ["python", "-m", "traincore.export"]
+    output = Path(command[command.index("--output") + 1])
+    assert step not in output.parents and train / "checkpoints" not in output.parents
+    if given == "step directory":
+        done = subprocess.run([sys.executable, *command[1:]], capture_output=True, text=True, timeout=120)
+        assert done.returncode == 0 and done.stdout.startswith(f"exported {output}"), done.stderr
+    else:
+        assert traincore.export.main(command[3:]) == 0
+        assert capsys.readouterr().out.startswith(f"exported {output}")
+    assert main(["--model", str(output), "--data", str(synthetic_dir)]) == 0
+    assert capsys.readouterr().out.startswith("test accuracy: ")

@@ -71,3 +71,20 @@ def test_a_grown_imagefolder_is_staged_again_in_place(image_folder_factory, tmp_
     assert sum(s.count for s in grown.splits.values()) == sum(s.count for s in first.splits.values()) + 1
     assert grown.source_fingerprint != first.source_fingerprint
     assert f"source {grown.source_fingerprint} -> {output}" in capsys.readouterr().out
+
+
+def test_a_bad_image_in_a_decode_process_is_one_error_line(image_folder_factory, tmp_path):
+    """A .jpg that is no image, found by one of two decode processes: our line, with no traceback."""
+    root = image_folder_factory(per_class=4, classes=2)
+    broken = root / "class_0" / "img_001.jpg"
+    broken.write_text("<html>a web page saved as .jpg</html>")
+    result = run_cli("--source", f"imagefolder:{root}", "--image-size", "8", "--decode-workers", "2",
+                     "--output", str(tmp_path / "data"))
+    assert result.returncode == 2, result.stderr
+    errors = [line for line in result.stderr.splitlines() if line.startswith("error:")]
+    assert errors == [f"error: cannot read image file://{broken}: it is not an image in a format Pillow "
+                      "knows (another kind of file, or a damaged one). Remove or replace the file and stage "
+                      "again"]
+    for noise in ("Traceback", "multiprocessing", "concurrent.futures", "_RemoteTraceback"):
+        assert noise not in result.stderr, result.stderr
+    assert not (tmp_path / "data").exists()

@@ -42,7 +42,7 @@ import os
 import time
 from collections import deque
 from collections.abc import Callable, Iterator
-from concurrent.futures import ProcessPoolExecutor
+from concurrent.futures import Future, ProcessPoolExecutor
 from concurrent.futures.process import BrokenProcessPool
 from typing import NamedTuple
 
@@ -251,9 +251,14 @@ def _decode(path: str, size: int, channels: int, storage_options: dict) -> np.nd
         with fsspec.open(path, "rb", **storage_options) as handle:
             image = Image.open(io.BytesIO(handle.read()))
             image = convert(image, "RGB" if channels == 3 else "L", path)
-    except (UnidentifiedImageError, OSError, ValueError) as exc:
+    except UnidentifiedImageError:  # its own text names only the in-memory buffer, not the file
+        raise StagingError(f"cannot read image {path}: it is not an image in a format Pillow knows (another "
+                           "kind of file, or a damaged one). Remove or replace the file and stage "
+                           "again") from None
+    except (OSError, ValueError) as exc:
+        # The message is the whole story: a chained traceback of PIL's internals would only bury it.
         raise StagingError(f"cannot read image {path}: {exc}. Remove or replace the file and stage "
-                           "again") from exc
+                           "again") from None
     return fit(image, size, channels)
 
 
@@ -335,7 +340,7 @@ def decoded_chunks(jobs: list[tuple[str, tuple]], decode: Callable[..., tuple[np
                     break
             while pending:
                 split, future = pending.popleft()
-                images, labels = future.result()
+                images, labels = _result(future)
                 job = next(queue, None)
                 if job is not None:
                     pending.append((job[0], pool.submit(decode, *job[1])))
@@ -347,3 +352,13 @@ def decoded_chunks(jobs: list[tuple[str, tuple]], decode: Callable[..., tuple[np
         finally:
             for _, future in pending:
                 future.cancel()
+
+
+def _result(future: Future) -> tuple[np.ndarray, np.ndarray]:
+    """A decode task's result. Its StagingError is raised anew here, without the cause the pool gives it
+    (the worker's whole traceback, as text), which a printer (pyflyte's, Python's) would show before the
+    message: the message already names the item, the problem and the fix. Other errors keep it: bugs."""
+    try:
+        return future.result()
+    except StagingError as exc:
+        raise StagingError(str(exc)) from None

@@ -33,10 +33,15 @@ handling tensorboard maintains. What it costs, measured on a 2-core CPU machine:
 from __future__ import annotations
 
 import gc
+import ipaddress
 import json
 import os
 import re
+import socket
+import threading
 import time
+import urllib.parse
+import urllib.request
 from pathlib import Path
 from typing import BinaryIO, Protocol, TextIO
 
@@ -220,6 +225,99 @@ def wandb_key_problem(key: str) -> str | None:
     return None
 
 
+WANDB_DEFAULT_BASE_URL = "https://api.wandb.ai"
+WANDB_PROBE_TIMEOUT_S = 5.0
+"""How long :func:`check_wandb_reachable` waits for the W&B server (name lookup and TCP connect); wandb
+itself retries for ``init_timeout`` (90 s) before it gives up."""
+WANDB_OFFLINE_FIX = ("set telemetry.wandb_mode='offline' (the run logs to <output>/wandb, in the train "
+                     "task's logs output; upload it later from a machine with network access: wandb sync "
+                     "<output>/wandb/offline-run-*) or 'disabled'")
+
+
+class WandbError(ValueError):
+    """W&B online mode cannot work here (its server is out of reach, or refuses the run); the message names
+    the server, the cause and the fix."""
+
+
+def wandb_base_url() -> str:
+    """The W&B server wandb talks to: WANDB_BASE_URL, else W&B's cloud."""
+    return os.environ.get("WANDB_BASE_URL", "").strip().rstrip("/") or WANDB_DEFAULT_BASE_URL
+
+
+def check_wandb_reachable(mode: str, timeout_s: float = WANDB_PROBE_TIMEOUT_S) -> None:
+    """For ``mode`` "online", WandbError unless a TCP connection to the W&B server (or to the proxy the
+    environment routes it through: HTTPS_PROXY, HTTP_PROXY, NO_PROXY) opens within ``timeout_s``.
+
+    Without this, a machine with no egress (a cluster pod, say) would fail only once training has begun,
+    on rank 0, after wandb's own 90 s of retries."""
+    if mode != "online":
+        return
+    base = wandb_base_url()
+    target, via = _wandb_route(_url(base, "WANDB_BASE_URL", "https"))
+    host, port = target.hostname, target.port or (443 if target.scheme == "https" else 80)
+    problem = _connect_problem(host, port, timeout_s)
+    if problem:
+        raise WandbError(f"telemetry.wandb_mode='online' but this machine cannot reach the W&B server {base}"
+                         f"{via} ({host}:{port}: {problem}); no network egress here? Either let it reach "
+                         f"{host}:{port}, set WANDB_BASE_URL to a W&B server it can reach, or "
+                         f"{WANDB_OFFLINE_FIX}")
+
+
+def _wandb_route(server: urllib.parse.SplitResult) -> tuple[urllib.parse.SplitResult, str]:
+    """Where wandb's connection to ``server`` goes first, and the words that say so: the proxy the
+    environment names for its scheme, else the server itself. As in wandb's Go client (its net/http), NO_PROXY
+    exempts a host, and a loopback one never goes through a proxy."""
+    proxy = urllib.request.getproxies().get(server.scheme)
+    if not proxy or _loopback(server.hostname) or urllib.request.proxy_bypass(server.hostname):
+        return server, ""
+    return _url(proxy, f"{server.scheme.upper()}_PROXY", "http"), f" through the proxy {proxy}"
+
+
+def _url(text: str, name: str, scheme: str) -> urllib.parse.SplitResult:
+    """``text`` (from the environment variable ``name``) parsed as a URL, ``scheme`` when it names none;
+    WandbError unless it has a host and a valid port."""
+    url = urllib.parse.urlsplit(text if "://" in text else f"{scheme}://{text}")
+    try:
+        if url.hostname and url.port != 0:  # .port raises ValueError for one out of range or not a number
+            return url
+    except ValueError:
+        pass
+    raise WandbError(f"{name}={text!r} is not a server's URL: set it to one with a host (and a port from 1 "
+                     "to 65535, if any), or unset it")
+
+
+def _loopback(host: str) -> bool:
+    """Whether ``host`` is this machine: "localhost" or a loopback address."""
+    try:
+        return host == "localhost" or ipaddress.ip_address(host).is_loopback
+    except ValueError:  # a name other than localhost
+        return False
+
+
+def _connect_problem(host: str, port: int, timeout_s: float) -> str | None:
+    """Why a TCP connection to ``host:port`` does not open within ``timeout_s``, or None once it does.
+
+    In a thread, because the name lookup has no timeout of its own (a resolver that gets no answer retries
+    for tens of seconds); the daemon thread is left to finish it on its own."""
+    outcome: list[str | None] = []
+
+    def connect() -> None:
+        try:
+            socket.create_connection((host, port), timeout=timeout_s).close()
+            outcome.append(None)
+        except socket.gaierror as exc:
+            outcome.append(f"the name does not resolve: {exc.strerror}")
+        except TimeoutError:
+            outcome.append(f"no answer within {timeout_s:g} s")
+        except OSError as exc:
+            outcome.append((exc.strerror or str(exc) or type(exc).__name__).lower())
+
+    thread = threading.Thread(target=connect, name="wandb-probe", daemon=True)
+    thread.start()
+    thread.join(timeout_s)
+    return outcome[0] if outcome else f"no answer within {timeout_s:g} s"
+
+
 class WandbSink:
     """A Weights & Biases run under ``<output>/wandb``; "offline" needs neither network nor key.
 
@@ -243,8 +341,22 @@ class WandbSink:
         # The key goes through Settings, never the environment or the run config, so it is not
         # inherited by child processes or stored with the run.
         settings = wandb.Settings(api_key=self._key) if self._key else None
-        return wandb.init(mode=self._cfg.wandb_mode, dir=self._output_dir, project=self._cfg.wandb_project,
-                          config=self._run_config, settings=settings)
+        try:
+            return wandb.init(mode=self._cfg.wandb_mode, dir=self._output_dir,
+                              project=self._cfg.wandb_project, config=self._run_config, settings=settings)
+        except wandb.errors.Error as exc:
+            # One line with the cause: wandb's traceback runs through its service and says nothing more.
+            reason = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+            raise WandbError(self._start_failure(reason)) from None
+
+    def _start_failure(self, reason: str) -> str:
+        """The one-line error of a W&B run that did not start: the cause (wandb's words) and the fix."""
+        if self._cfg.wandb_mode == "offline":
+            return (f"W&B could not start its offline run under {self._output_dir}/wandb: {reason}. Check "
+                    "that the output directory is writable, or set telemetry.wandb_mode='disabled'")
+        return (f"W&B could not start the online run (server {wandb_base_url()}, project "
+                f"{self._cfg.wandb_project!r}): {reason}. Check the API key, the project and this machine's "
+                f"network access to the server, or {WANDB_OFFLINE_FIX}")
 
     def log(self, step: int, metrics: dict[str, float], kind: str = "train") -> None:
         """Log ``kind/name`` scalars at ``step``."""

@@ -24,7 +24,7 @@ from pathlib import Path
 import asyncssh
 import pytest
 
-from tasks.slurm.client import SlurmClient
+from tasks.slurm.client import NodeSize, SlurmClient
 from tasks.slurm.ssh import SlurmConnectionError, SlurmTarget, connect, host_alias_known
 from tasks.slurm.states import (
     JobInfo,
@@ -448,9 +448,12 @@ def test_connect_through_alias_and_run(ssh_home):
         node.on("echo hi", "hi\n")
         node.on("command -v echo", "echo\n")
         node.on("sinfo -h -o '%P|%D'", read("sinfo-loopback-22.05.8.txt"))
+        node.on("sinfo -h -N -o '%P|%N|%c|%m'", read("sinfo-nodes-loopback-22.05.8.txt"))
         async with SlurmClient(SlurmTarget("fake-slurm")) as slurm:
             assert await slurm.run("echo hi") == "hi\n"
             assert await slurm.partition_nodes() == await slurm.partition_nodes("debug") == 2
+            assert await slurm.node_sizes() == [NodeSize("slb-node1", 8, 32768),
+                                                NodeSize("slb-node2", 8, 32768)]
             with pytest.raises(SlurmError, match="exited with 127"):
                 await slurm.run("nonexistent-tool")
             assert await slurm.missing_commands(["echo", "sbatch"]) == ["sbatch"]
@@ -675,6 +678,17 @@ def test_cancel_and_partitions(ssh_home):
     with_login_node(ssh_home, body, setup)
 
 
+def test_node_sizes_of_a_partition_largest_first(ssh_home):
+    async def body(node, keys):
+        async with SlurmClient(SlurmTarget("fake-slurm")) as slurm:
+            assert await slurm.node_sizes() == [NodeSize("c1", 32, 128000), NodeSize("c2", 32, 128000)]
+            assert await slurm.node_sizes("gpu") == [NodeSize("g1", 64, 512000), NodeSize("g2", 48, 256000)]
+            assert await slurm.node_sizes("nope") == []
+
+    with_login_node(ssh_home, body, lambda node: node.on("sinfo -h -N -o '%P|%N|%c|%m'",
+                                                         read("sinfo-nodes.txt")))
+
+
 def test_tail_reads_last_lines_and_missing_files_are_empty(ssh_home, tmp_path):
     log_file = tmp_path / "job.err"
     log_file.write_text("".join(f"line {i}\n" for i in range(10)))
@@ -736,9 +750,11 @@ def test_connector_reports_finished_jobs_and_remembers_only_the_newest(ssh_home,
         assert phases == {"6": TaskExecutionPhase.SUCCEEDED, "7": TaskExecutionPhase.FAILED,
                           "8": TaskExecutionPhase.SUCCEEDED}
         assert list(connector.last) == ["7", "8"]  # job 6, the oldest, was dropped
-        outcome, message = connector.last["7"]
-        assert outcome is Outcome.FAILED and "Slurm job 7 FAILED" in message and "exit code 3" in message
-        assert "train: 200 steps" in connector.last["8"][1]  # rank 0's summary line from the job's stdout
+        failed = connector.last["7"]
+        assert failed.outcome is Outcome.FAILED and failed.preempted_by is None
+        assert "Slurm job 7 FAILED" in failed.message and "exit code 3" in failed.message
+        # rank 0's summary line from the job's stdout
+        assert "train: 200 steps" in connector.last["8"].message
 
     def setup(node):
         slurm_22_05(node)

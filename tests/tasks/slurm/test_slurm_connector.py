@@ -37,7 +37,7 @@ def test_a_requeued_job_waits_for_nodes_only_up_to_the_bound():
     expired = asyncio.run(connector.get(META))
     assert expired.phase == TaskExecution.RETRYABLE_FAILED and connector.calls[-1] == "cancel"
     assert "waited 0 s without starting again, so it was cancelled" in expired.message
-    assert "sinfo -R" in expired.message and connector.last["12"][0] is Outcome.RETRYABLE
+    assert "sinfo -R" in expired.message and connector.last["12"].outcome is Outcome.RETRYABLE
 
 
 def test_worker_output_in_a_local_run_message_is_never_rich_markup():

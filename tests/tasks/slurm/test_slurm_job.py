@@ -8,30 +8,38 @@ import signal
 import subprocess
 import sys
 import tarfile
+from collections import OrderedDict
 from pathlib import Path
 
 import pytest
 from flyteidl.admin import task_pb2
 from flyteidl.core import errors_pb2
+from flytekit.configuration import ImageConfig, SerializationSettings
 from flytekit.core import utils
+from flytekit.tools.translator import get_serializable
 from google.protobuf import timestamp_pb2
 from google.protobuf.json_format import MessageToDict
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ProcessFailure
 
 from tasks.failures import first_failure
-from tasks.slurm.connector import PHASES, SLURM_TASK_TYPE, forwarded_env, ssh_target
+from tasks.plan import LaunchInputError
+from tasks.slurm.client import NodeSize
+from tasks.slurm.connector import PHASES, SLURM_TASK_TYPE, check_node_size, forwarded_env, ssh_target
 from tasks.slurm.job import (
     SIGNAL_MARGIN_S,
+    NodeRequest,
     TaskFailure,
     batch_script,
     job_outcome,
     main,
+    node_request,
     sbatch_args,
     task_failures,
 )
 from tasks.slurm.report import headline
 from tasks.slurm.states import JobInfo, Outcome, classify_states
 from tasks.storage import resume_note
+from tasks.train import CPU_PER_PROCESS, MEM_GIB_PER_PROCESS
 from tasks.types import SlurmSettings, Topology
 from traincore.checkpoint import MARKER
 from traincore.preemption import PREEMPTED_EXIT_CODE
@@ -45,15 +53,62 @@ def test_sbatch_flags_carry_nodes_gpus_and_every_launch_input():
     topology = Topology(backend="slurm", nnodes=4, nproc_per_node=8, gpus_per_node=8,
                         slurm=SlurmSettings(target="hpc", partition="gpu", account="proj42",
                                             time_limit="02:00:00", sbatch_flags="--qos=high --exclusive"))
-    args = sbatch_args(topology, grace_s=20.5)
+    args = sbatch_args(topology, grace_s=20.5, request=NodeRequest(cpus=16, mem_mib=49152, gpus=8))
     assert args[:2] == ["--nodes=4", "--ntasks-per-node=1"]
     # the warning signal reaches the steps (no "B:") the grace, rounded up, plus a margin before the limit
     assert f"--signal=TERM@{21 + SIGNAL_MARGIN_S}" in args and "--open-mode=append" in args
-    for flag in ("--gres=gpu:8", "--partition=gpu", "--account=proj42", "--time=02:00:00", "--qos=high",
+    for flag in ("--cpus-per-task=16", "--mem=49152M", "--gres=gpu:8", "--partition=gpu", "--account=proj42",
+                 "--time=02:00:00", "--qos=high",
                  "--exclusive"):
         assert flag in args
-    cpu = sbatch_args(Topology(backend="slurm", slurm=SlurmSettings(target="hpc")), grace_s=20.0)
+    cpu = sbatch_args(Topology(backend="slurm", slurm=SlurmSettings(target="hpc")), grace_s=20.0,
+                      request=NodeRequest(cpus=4, mem_mib=12288))
     assert not any(arg.startswith(("--gres", "--partition", "--account", "--time")) for arg in cpu)
+
+
+def test_each_node_asks_for_the_train_tasks_requests_unless_the_users_flags_do():
+    """The train task's requests are per node already (nproc_per_node x 2 CPUs and 6 GiB); quantities
+    come as Kubernetes writes them. A user's own sbatch flag of the same kind replaces ours, never joins
+    it (sbatch refuses --mem with --mem-per-cpu)."""
+    request = node_request({"cpu": "4", "memory": "12Gi", "gpu": "2"})
+    assert request == NodeRequest(cpus=4, mem_mib=12288, gpus=2)
+    assert node_request({"cpu": "1500m", "memory": "1.5G"}) == NodeRequest(cpus=2, mem_mib=1431)
+    with pytest.raises(ValueError, match="not a resource quantity: '12 parsecs'"):
+        node_request({"memory": "12 parsecs"})
+    topology = Topology(backend="slurm", nproc_per_node=2, gpus_per_node=2, slurm=SlurmSettings(
+        target="hpc", sbatch_flags="--mem-per-cpu=3G -c 6 --qos=high"))
+    args = sbatch_args(topology, grace_s=20.0, request=request)
+    assert "--gres=gpu:2" in args and args[-4:] == ["--mem-per-cpu=3G", "-c", "6", "--qos=high"]
+    assert not any(arg.startswith(("--mem=", "--cpus-per-task")) for arg in args), args
+    assert request.without("--gpus-per-node=2 --exclusive").flags() == ["--cpus-per-task=4", "--mem=12288M"]
+
+
+def test_the_slurm_task_asks_each_node_for_its_processes_cpus_and_memory():
+    from tasks.launch import train_task_for
+    from tasks.slurm.connector import template_request
+    from traincore.presets import preset
+
+    task = train_task_for(Topology(backend="slurm", nproc_per_node=3, slurm=SlurmSettings(target="hpc")),
+                          preset("debug"))
+    settings = SerializationSettings(ImageConfig.auto_default_image())
+    template = get_serializable(OrderedDict(), settings, task).template
+    assert template_request(template) == NodeRequest(cpus=3 * CPU_PER_PROCESS,
+                                                     mem_mib=3 * MEM_GIB_PER_PROCESS * 1024)
+
+
+def test_a_request_no_node_can_hold_names_the_largest_node_and_the_fix():
+    topology = Topology(backend="slurm", nproc_per_node=8, slurm=SlurmSettings(target="hpc",
+                                                                                partition="debug"))
+    nodes = [NodeSize("big", 16, 64000), NodeSize("small", 4, 16000)]
+    check_node_size(nodes, topology, NodeRequest(cpus=16, mem_mib=49152))  # "big" holds it
+    with pytest.raises(LaunchInputError) as refused:
+        check_node_size(nodes, topology, NodeRequest(cpus=16, mem_mib=98304))
+    message = str(refused.value)
+    assert message.startswith("input nproc_per_node=8: each node's task asks for 16 CPUs and 98304 MB")
+    assert ("no node of partition 'debug' on hpc has that: the largest, big, has 16 CPUs and 64000 MB"
+            in message)
+    assert "'--cpus-per-task=16 --mem=64000M'" in message
+    check_node_size(nodes, topology, NodeRequest(mem_mib=0))  # the user's own flags decide: nothing to check
 
 
 def test_batch_script_runs_setup_then_one_agent_per_node_with_its_verdict():
@@ -66,11 +121,16 @@ def test_batch_script_runs_setup_then_one_agent_per_node_with_its_verdict():
     setup = lines.index("module load cuda/12")
     srun = next(i for i, line in enumerate(lines) if line.startswith("srun"))
     assert setup < lines.index("export PET_NNODES=2") < srun
-    assert lines[srun].startswith("srun --nodes=2 --ntasks-per-node=1 --kill-on-bad-exit=1 "
-                                  "--error=slurm-%j-%N.err --open-mode=append")
-    assert lines[srun + 1].startswith("    bash -c 'node_task \"$@\"' node pyflyte-execute")
-    assert "'{\"a\": \"b c\"}'" in lines[srun + 1]  # the task key stays one argument
-    assert '    "$@" && python -m tasks.slurm.job --node "$SLURMD_NODENAME" /shared/x' in lines
+    # srun passes the job's CPUs per task on (Slurm 22.05+ does not by itself)
+    assert lines[srun] == ("srun --nodes=2 --ntasks-per-node=1 "
+                           "${SLURM_CPUS_PER_TASK:+--cpus-per-task=$SLURM_CPUS_PER_TASK} \\")
+    assert lines[srun + 1] == "    --kill-on-bad-exit=1 --error=slurm-%j-%N.err --open-mode=append \\"
+    assert lines[srun + 2].startswith("    bash -c 'node_task \"$@\"' node pyflyte-execute")
+    assert lines[srun + 2].endswith(" || status=$?")
+    assert "'{\"a\": \"b c\"}'" in lines[srun + 2]  # the task key stays one argument
+    assert ('    python -m tasks.slurm.job --node "$SLURMD_NODENAME" --status "$status" '
+            '--signal "$signalled" /shared/x') in lines
+    assert lines[-1] == 'python -m tasks.slurm.job --job --status "$status" /shared/x'  # the job's verdict
     assert "export FLYTE_INTERNAL_DIST_ERROR_STRATEGY=Earliest" in lines
     assert 'PET_RDZV_ENDPOINT="${head_addr:-$head_node}:$rdzv_port"' in script
     result = subprocess.run(["bash", "-n"], input=script, text=True, capture_output=True)
@@ -107,12 +167,34 @@ def test_the_worker_a_signal_killed_is_the_first_failure_though_its_peer_reporte
 
 def test_a_node_fails_its_task_with_75_when_recoverable_and_1_when_not(tmp_path, capsys):
     assert main(["--node", "slb-node1", str(tmp_path)]) == 0
+    assert main(["--node", "slb-node1", "--status", "3", str(tmp_path)]) == 3  # no document: its own code
     write_error(tmp_path, "slb-node1", "ValueError: bad batch", seconds=5, recoverable=False)
     write_error(tmp_path, "slb-node2", "preempted at step 7 by SIGTERM", seconds=5)
     assert main(["--node", "slb-node1", str(tmp_path)]) == 1
     assert "the task failed (node slb-node1 failed): ValueError: bad batch" in capsys.readouterr().err
     assert main(["--node", "slb-node2", str(tmp_path)]) == PREEMPTED_EXIT_CODE
     assert main(["--clear", str(tmp_path)]) == 0 and not list(tmp_path.iterdir())
+
+
+def test_a_signal_while_the_task_starts_is_recoverable_and_says_so(tmp_path, capsys):
+    """A time limit's warning that comes before the workers run (Slurm may send it a minute early) kills
+    pyflyte-execute before it can write an error document: the node's shell saw the signal, so the node
+    writes one, recoverable, and the job's verdict is 75, not the 143 srun reports."""
+    assert main(["--node", "slb-node1", "--status", "143", "--signal", "SIGTERM", str(tmp_path)]) == 75
+    assert "the task was stopped by SIGTERM while the task started" in capsys.readouterr().err
+    [failure] = task_failures(str(tmp_path))
+    assert (failure.node, failure.recoverable, failure.preempted_by) == ("slb-node1", True, "SIGTERM")
+    assert main(["--job", "--status", "143", str(tmp_path)]) == PREEMPTED_EXIT_CODE
+    assert main(["--node", "slb-node2", "--status", "0", "--signal", "SIGTERM", str(tmp_path)]) == 0
+
+
+def test_the_jobs_verdict_is_its_first_failures_not_sruns_largest_exit_code(tmp_path):
+    assert main(["--job", "--status", "0", str(tmp_path)]) == 0
+    assert main(["--job", "--status", "9", str(tmp_path)]) == 9  # srun's own failure: no node reported
+    write_error(tmp_path, "slb-node2", "preempted at step 7 by SIGTERM: checkpoint step-7 saved", seconds=5)
+    assert main(["--job", "--status", "143", str(tmp_path)]) == PREEMPTED_EXIT_CODE
+    write_error(tmp_path, "slb-node1", "ValueError: bad batch", seconds=4, recoverable=False)
+    assert main(["--job", "--status", "143", str(tmp_path)]) == 1  # the earlier failure is the cause
 
 
 def job(state: str, exit_code: int = 0, **extra) -> JobInfo:
@@ -140,6 +222,9 @@ def test_headline_gives_an_exit_code_only_where_it_means_something():
     assert headline(job("TIMEOUT", reason="TimeLimit"), "hpc") == "Slurm job 12 TIMEOUT (TimeLimit) on hpc"
     assert headline(job("FAILED", 3), "hpc") == "Slurm job 12 FAILED, exit code 3 on hpc"
     assert headline(job("FAILED", 0, signal=9), "hpc") == "Slurm job 12 FAILED, killed by SIGKILL on hpc"
+    assert headline(job("FAILED", PREEMPTED_EXIT_CODE), "hpc", preempted_by="SIGTERM") == (
+        "Slurm job 12 signalled (SIGTERM: its time limit was near, or it was preempted) on hpc")
+    assert headline(job("TIMEOUT"), "hpc", preempted_by="SIGTERM") == "Slurm job 12 TIMEOUT on hpc"
 
 
 def test_a_retryable_failure_names_the_step_a_retry_resumes_from(tmp_path):

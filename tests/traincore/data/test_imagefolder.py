@@ -6,6 +6,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import shutil
+import traceback
 
 import numpy as np
 import pytest
@@ -101,9 +102,17 @@ def test_unreadable_image_names_its_path_and_leaves_nothing(workers, image_folde
     broken = root / "class_1" / "img_002.jpg"
     broken.write_bytes(b"\xff\xd8 this is not a jpeg")
     cfg = dataclasses.replace(folder_config(root), decode_workers=workers)
-    with pytest.raises(StagingError, match=f"cannot read image .*{broken}"):
+    expected = (f"cannot read image .*{broken}: it is not an image in a format Pillow knows .* Remove or "
+                "replace the file and stage again")
+    with pytest.raises(StagingError, match=expected) as caught:
         stage(cfg, tmp_path / "staged" / "data")
     assert list((tmp_path / "staged").iterdir()) == []
+    # Printed as pyflyte or Python print it (causes first): our frames and message only, no decode
+    # worker's traceback (the pool's _RemoteTraceback) nor PIL's error before it.
+    printed = "".join(traceback.format_exception(caught.value))
+    assert printed.count("Traceback (most recent call last)") == 1, printed
+    for elsewhere in ("_RemoteTraceback", "concurrent/futures/process.py", "PIL", "BytesIO"):
+        assert elsewhere not in printed, printed
 
 
 def test_grayscale_staging(image_folder, tmp_path):
