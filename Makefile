@@ -60,13 +60,16 @@ clean:
 	rm -rf runs .pytest_cache
 
 # The image a cluster runs, and the registration that uses it (docs/deploy.md):
-#   make image IMAGE=ghcr.io/acme/flyte-torch-pipeline:v1 [VARIANT=cpu|cuda] [BUILD_OPTS="--local-base ..."]
-#     builds dockerfiles/$(VARIANT).Dockerfile with podman (scripts/build-image) and pushes it when IMAGE
-#     names a registry (log in first: podman login ghcr.io);
+#   make image IMAGE=ghcr.io/acme/flyte-torch-pipeline:v1 [VARIANT=cpu|cuda] [EXTRAS=connector]
+#              [BUILD_OPTS="--local-base ..."]
+#     builds dockerfiles/$(VARIANT).Dockerfile with podman (scripts/build-image), with the optional
+#     dependency groups EXTRAS (connector: the Slurm connector's image), and pushes it when IMAGE names a
+#     registry (log in first: podman login ghcr.io);
 #   make register IMAGE=... [PROJECT=flytesnacks] [DOMAIN=development] [VERSION=...] [CONFIG=flyte.config]
 #     registers workflows/ and its launch plans with that image (PACKAGE=out.tgz writes the package instead).
 IMAGE ?=
 VARIANT ?= cpu
+EXTRAS ?=
 BUILD_OPTS ?=
 PROJECT ?= flytesnacks
 DOMAIN ?= development
@@ -76,7 +79,7 @@ PACKAGE ?=
 image:
 	@test -n "$(IMAGE)" || { echo "make image: set IMAGE=<registry>/<name>:<tag>, e.g." \
 		"IMAGE=ghcr.io/acme/flyte-torch-pipeline:v1 (a name without a registry builds a local image only)" >&2; exit 2; }
-	scripts/build-image --variant "$(VARIANT)" --tag "$(IMAGE)" --push $(BUILD_OPTS)
+	scripts/build-image --variant "$(VARIANT)" --tag "$(IMAGE)" --extras "$(EXTRAS)" --push $(BUILD_OPTS)
 
 register: install
 	PYFLYTE=$(BIN)/pyflyte scripts/register --image "$(IMAGE)" --project "$(PROJECT)" --domain "$(DOMAIN)" \

@@ -41,6 +41,7 @@ JOB_NAME = "flyte-torch-train"
 # Seconds the warning signal comes before the time limit beyond the preemption grace: the agents' own
 # shutdown and the step in progress when the signal arrives.
 SIGNAL_MARGIN_S = 15
+SETUP_ERROR = "slurm_setup did not activate an environment with flyte-torch-pipeline installed"
 
 
 def warning_lead_s(grace_s: float) -> int:
@@ -134,6 +135,14 @@ def batch_script(topology: Topology, entrypoint: list[str]) -> str:
 # Written by flyte-torch-pipeline: one torch elastic agent per node, {topology.nproc_per_node} worker(s) each.
 set -eo pipefail
 {topology.slurm.setup.strip()}
+# The set-up lines must activate an environment that has this project: say so once, here, rather than
+# as every node's "command not found".
+if ! command -v pyflyte-execute >/dev/null || ! python -c "import tasks.slurm" 2>/dev/null; then
+    echo "{SETUP_ERROR}: pyflyte-execute: $(command -v pyflyte-execute || echo not found)," \
+        "python: $(command -v python || echo not found). Fix slurm_setup, e.g." \
+        "'source <venv with flyte-torch-pipeline>/bin/activate'" >&2
+    exit 127
+fi
 head_node=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)
 # The head node's address as Slurm knows it (NodeAddr), which other nodes can reach even without DNS.
 head_addr=$(scontrol show node "$head_node" -o | sed -n 's/.* NodeAddr=\\([^ ]*\\).*/\\1/p')

@@ -47,16 +47,19 @@ def test_an_image_named_with_a_registry_is_built_from_its_variant_and_pushed(pod
     [build] = [call for call in calls if call.startswith("build ")]
     assert "-f dockerfiles/cuda.Dockerfile -t ghcr.io/acme/flyte-torch-pipeline:v1" in build
     assert "--build-arg FLYTE_INTERNAL_IMAGE=ghcr.io/acme/flyte-torch-pipeline:v1" in build
+    assert "EXTRAS" not in build
     assert calls[-1] == "push ghcr.io/acme/flyte-torch-pipeline:v1"
     assert "pushed ghcr.io/acme/flyte-torch-pipeline:v1: register with it: make register IMAGE=" in run.stderr
     assert run.stdout.splitlines()[-1] == "ghcr.io/acme/flyte-torch-pipeline:v1"
 
 
 def test_a_name_without_a_registry_stays_a_local_image(podman_log):
-    run = make("image", "IMAGE=flyte-torch-pipeline:dev", podman_log=podman_log)
+    run = make("image", "IMAGE=flyte-torch-pipeline:dev", "EXTRAS=connector", podman_log=podman_log)
     assert run.returncode == 0, run.stderr
     calls = podman_log.read_text().splitlines()
-    assert any("-f dockerfiles/cpu.Dockerfile -t flyte-torch-pipeline:dev" in call for call in calls)
+    [build] = [call for call in calls if call.startswith("build ")]
+    assert "-f dockerfiles/cpu.Dockerfile -t flyte-torch-pipeline:dev" in build
+    assert "--build-arg EXTRAS=connector" in build  # the connector's image
     assert not any(call.startswith("push") for call in calls)
     assert "not pushed: flyte-torch-pipeline:dev names no registry" in run.stderr
 

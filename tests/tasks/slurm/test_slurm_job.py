@@ -26,6 +26,7 @@ from tasks.plan import LaunchInputError
 from tasks.slurm.client import NodeSize
 from tasks.slurm.connector import PHASES, SLURM_TASK_TYPE, check_node_size, forwarded_env, ssh_target
 from tasks.slurm.job import (
+    SETUP_ERROR,
     SIGNAL_MARGIN_S,
     NodeRequest,
     TaskFailure,
@@ -135,6 +136,21 @@ def test_batch_script_runs_setup_then_one_agent_per_node_with_its_verdict():
     assert 'PET_RDZV_ENDPOINT="${head_addr:-$head_node}:$rdzv_port"' in script
     result = subprocess.run(["bash", "-n"], input=script, text=True, capture_output=True)
     assert result.returncode == 0, result.stderr
+
+
+def test_a_setup_that_leaves_the_project_out_stops_the_job_at_once_and_says_how_to_fix_it(tmp_path):
+    """The script's first lines, up to its check, run as a job would run them with a slurm_setup that
+    activates nothing: exit 127 and one message, before any srun."""
+    topology = Topology(backend="slurm", slurm=SlurmSettings(target="hpc", setup="true"))
+    script = batch_script(topology, ENTRYPOINT)
+    head = script[:script.index("head_node=")]
+    bare = {"PATH": "/usr/bin:/bin", "HOME": str(tmp_path)}  # no venv, no project
+    result = subprocess.run(["bash", "-c", head], env=bare, text=True, capture_output=True, cwd=tmp_path)
+    assert result.returncode == 127, result.stderr
+    assert result.stderr.startswith(f"{SETUP_ERROR}: pyflyte-execute: not found,")
+    assert "Fix slurm_setup, e.g. 'source <venv with flyte-torch-pipeline>/bin/activate'" in result.stderr
+    venv = {**bare, "PATH": f"{Path(sys.executable).parent}:/usr/bin:/bin", "PYTHONPATH": str(ROOT)}
+    assert subprocess.run(["bash", "-c", head], env=venv, cwd=tmp_path).returncode == 0
 
 
 def test_every_outcome_has_a_flyte_phase():
