@@ -29,7 +29,7 @@ from traincore.config import OWN_MODELS, Config, ModelConfig, is_imported_model,
 from traincore.data.manifest import Manifest, verify_staging
 from traincore.dist import resolve_backend
 from traincore.models import ModelImportError, build_model
-from traincore.telemetry.sinks import check_wandb_reachable, resolve_wandb_key
+from traincore.telemetry.wandb_access import check_wandb_reachable, resolve_wandb_key
 from traincore.warmstart import check, plan, read_init_file
 
 

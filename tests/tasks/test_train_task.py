@@ -155,7 +155,7 @@ def test_task_name_depends_on_the_topology_alone(tmp_path, monkeypatch):
 
 def test_mounted_wandb_secret_reaches_validation_and_workers(tmp_path, monkeypatch):
     from tasks.train import WANDB_SECRET, _use_wandb_secret
-    from traincore.telemetry.sinks import resolve_wandb_key
+    from traincore.telemetry.wandb_access import resolve_wandb_key
 
     secret = tmp_path / WANDB_SECRET.group / WANDB_SECRET.key
     secret.parent.mkdir()

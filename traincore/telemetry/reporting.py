@@ -20,8 +20,9 @@ import torch
 from traincore.config import TelemetryConfig
 from traincore.dist import DistContext
 from traincore.telemetry.metrics import IntervalMeter, RunTotals, WaitTimer, memory_metrics, peak_flops
-from traincore.telemetry.sinks import MetricSink, build_sinks, resolve_wandb_key
+from traincore.telemetry.sinks import MetricSink, build_sinks
 from traincore.telemetry.startup import StartupClock
+from traincore.telemetry.wandb_access import resolve_wandb_key
 
 logger = logging.getLogger(__name__)
 

@@ -20,9 +20,8 @@ from traincore.telemetry.sinks import (
     TensorBoardSink,
     WandbSink,
     build_sinks,
-    resolve_wandb_key,
-    wandb_key_problem,
 )
+from traincore.telemetry.wandb_access import resolve_wandb_key, wandb_key_problem
 
 SECRET = "local-0123456789abcdef0123456789abcdef01234567"  # a well-formed key of a local W&B server
 

@@ -17,7 +17,7 @@ import pytest
 
 from traincore.preflight import preflight
 from traincore.presets import debug
-from traincore.telemetry.sinks import WANDB_PROBE_TIMEOUT_S, WandbError, check_wandb_reachable
+from traincore.telemetry.wandb_access import WANDB_PROBE_TIMEOUT_S, WandbError, check_wandb_reachable
 
 SECRET = "local-0123456789abcdef0123456789abcdef01234567"  # a well-formed key of a local W&B server
 TINY = {"model": {"name": "small_cnn", "width": 8}, "loader": {"batch_size": 8},
@@ -153,7 +153,7 @@ def test_a_run_the_server_refuses_is_one_line_with_wandbs_reason(tmp_path, monke
     finally:
         server.shutdown()
     errors = [line for line in done.stderr.splitlines()
-              if line.startswith("traincore.telemetry.sinks.WandbError")]
+              if line.startswith("traincore.telemetry.wandb_access.WandbError")]
     assert done.returncode == 1 and len(errors) == 1, done.stderr
     error = errors[0]
     assert f"W&B could not start the online run (server {base}, project 'flyte-torch-pipeline'): " \
