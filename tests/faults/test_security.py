@@ -41,6 +41,7 @@ from faultlib import (
     write_flyte_inputs,
 )
 from torch import nn
+from wandb_server import WandbStub
 
 from tasks.launch import train_task_for
 from tasks.train import WANDB_SECRET
@@ -152,25 +153,6 @@ def test_offline_runs_and_export_keep_the_key_out_of_every_output(fault_data, tm
         assert (exported / "model.st").is_file() and list(exported.glob("*.json"))
         found, searched = leaks(key, tmp / "stdout", tmp / "stderr", run, exported, tmp / "home")
         assert not found and searched > 10, (given_by, found)
-
-
-class WandbStub(http.server.BaseHTTPRequestHandler):
-    """A W&B server on localhost that refuses every key, recording what it was sent."""
-
-    seen: list[tuple[str, dict[str, str], bytes]] = []
-
-    def do_POST(self) -> None:  # noqa: N802 (http.server's naming)
-        body = self.rfile.read(int(self.headers.get("Content-Length") or 0))
-        self.seen.append((self.path, dict(self.headers), body))
-        self.send_response(401)
-        self.send_header("Content-Type", "application/json")
-        self.end_headers()
-        self.wfile.write(b'{"errors": [{"message": "unauthorized"}]}')
-
-    do_GET = do_PUT = do_POST
-
-    def log_message(self, *args) -> None:
-        pass
 
 
 def test_online_key_from_the_mounted_secret_goes_to_the_wandb_server_only(fault_data, tmp_path):

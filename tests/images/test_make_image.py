@@ -40,11 +40,17 @@ def make(*args: str, podman_log: Path | None = None) -> subprocess.CompletedProc
                           env={**os.environ, "PATH": path})
 
 
-def test_an_image_named_with_a_registry_is_built_from_its_variant_and_pushed(podman_log):
-    run = make("image", "IMAGE=ghcr.io/acme/flyte-torch-pipeline:v1", "VARIANT=cuda", podman_log=podman_log)
+def make_image(podman_log: Path, *args: str) -> tuple[subprocess.CompletedProcess, list[str], str]:
+    """`make image ARGS`: the run, podman's calls and its one build call."""
+    run = make("image", *args, podman_log=podman_log)
     assert run.returncode == 0, run.stderr
     calls = podman_log.read_text().splitlines()
     [build] = [call for call in calls if call.startswith("build ")]
+    return run, calls, build
+
+
+def test_an_image_named_with_a_registry_is_built_from_its_variant_and_pushed(podman_log):
+    run, calls, build = make_image(podman_log, "IMAGE=ghcr.io/acme/flyte-torch-pipeline:v1", "VARIANT=cuda")
     assert "-f dockerfiles/cuda.Dockerfile -t ghcr.io/acme/flyte-torch-pipeline:v1" in build
     assert "--build-arg FLYTE_INTERNAL_IMAGE=ghcr.io/acme/flyte-torch-pipeline:v1" in build
     assert "EXTRAS" not in build
@@ -54,10 +60,7 @@ def test_an_image_named_with_a_registry_is_built_from_its_variant_and_pushed(pod
 
 
 def test_a_name_without_a_registry_stays_a_local_image(podman_log):
-    run = make("image", "IMAGE=flyte-torch-pipeline:dev", "EXTRAS=connector", podman_log=podman_log)
-    assert run.returncode == 0, run.stderr
-    calls = podman_log.read_text().splitlines()
-    [build] = [call for call in calls if call.startswith("build ")]
+    run, calls, build = make_image(podman_log, "IMAGE=flyte-torch-pipeline:dev", "EXTRAS=connector")
     assert "-f dockerfiles/cpu.Dockerfile -t flyte-torch-pipeline:dev" in build
     assert "--build-arg EXTRAS=connector" in build  # the connector's image
     assert not any(call.startswith("push") for call in calls)

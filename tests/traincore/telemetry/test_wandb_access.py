@@ -14,6 +14,7 @@ import time
 from collections.abc import Iterator
 
 import pytest
+from wandb_server import WandbStub
 
 from traincore.preflight import preflight
 from traincore.presets import debug
@@ -52,22 +53,6 @@ def listening_port() -> Iterator[int]:
         sock.bind(("127.0.0.1", 0))
         sock.listen()
         yield sock.getsockname()[1]
-
-
-class RefusingWandb(http.server.BaseHTTPRequestHandler):
-    """A W&B server that refuses every key, as a real one refuses a revoked key."""
-
-    def do_POST(self) -> None:  # noqa: N802 (http.server's naming)
-        self.rfile.read(int(self.headers.get("Content-Length") or 0))
-        self.send_response(401)
-        self.send_header("Content-Type", "application/json")
-        self.end_headers()
-        self.wfile.write(b'{"errors": [{"message": "unauthorized"}]}')
-
-    do_GET = do_PUT = do_POST
-
-    def log_message(self, *args) -> None:
-        pass
 
 
 def test_online_mode_without_a_way_to_the_server_fails_preflight_fast_and_names_the_fix(
@@ -139,7 +124,7 @@ def test_a_base_url_that_names_no_server_is_refused(monkeypatch, url):
 
 def test_a_run_the_server_refuses_is_one_line_with_wandbs_reason(tmp_path, monkeypatch):
     """Reachable, but the server refuses the key: wandb.init's CommError becomes one line with its cause."""
-    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), RefusingWandb)
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), WandbStub)
     threading.Thread(target=server.serve_forever, daemon=True).start()
     base = f"http://127.0.0.1:{server.server_port}"
     monkeypatch.setenv("WANDB_BASE_URL", base)
