@@ -328,7 +328,7 @@ def test_connector_image_is_the_placeholder_the_page_replaces():
     assert name == pipeline_image_spec().name
     text = doc_text()
     assert f'sed "s|{image}|$CONNECTOR_IMAGE|" deploy/connector.yaml' in text
-    assert "build -f dockerfiles/cpu.Dockerfile --build-arg EXTRAS=connector" in text
+    assert 'make image IMAGE="$CONNECTOR_IMAGE" EXTRAS=connector' in text
     assert re.search(rf"^CONNECTOR_IMAGE={re.escape(repository)}:\S+$", text, flags=re.MULTILINE)
     pyproject = (ROOT / "pyproject.toml").read_text(encoding="utf-8")
     assert re.search(r"^connector = \[", pyproject, flags=re.MULTILINE), "pyproject.toml: no connector extra"

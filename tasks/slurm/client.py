@@ -335,7 +335,8 @@ class SlurmClient:
             name = fields[0].rstrip("*")
             if name == partition or (partition is None and fields[0].endswith("*")):
                 sizes.append(NodeSize(fields[1], int(fields[2]), int(fields[3])))
-        return sorted(set(sizes), key=lambda size: (size.cpus, size.mem_mb), reverse=True)
+        unique = list(dict.fromkeys(sizes))  # a node listed once per state it is in
+        return sorted(unique, key=lambda size: (-size.cpus, -size.mem_mb, size.name))
 
     async def partition_nodes(self, partition: str | None = None) -> int:
         """Node count of ``partition`` (the cluster's default partition when None), from sinfo."""
