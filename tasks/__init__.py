@@ -11,6 +11,7 @@
     storage                local views of FlyteDirectory inputs; the durable checkpoint root as a Store
     decks, report          the HTML of our Decks
     rendezvous, backends   a failed rendezvous, explained; the backend names
+    errors                 errors for the user to fix, which pyflyte run shows as their message alone
     image_spec             the ImageSpec twin of dockerfiles/cpu.Dockerfile
     slurm/                 the Slurm backend (connector, job script, client, SSH, states)
 """

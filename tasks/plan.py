@@ -19,6 +19,7 @@ from flytekit import task
 from flytekit.core.context_manager import FlyteContextManager
 
 from tasks.backends import BACKENDS, CAPACITIES, SLURM_BACKEND
+from tasks.errors import UserFacingError
 from tasks.slurm.ssh import SlurmTarget
 from tasks.storage import is_uri, local_path, source_storage_options
 from tasks.types import SlurmSettings, Topology
@@ -29,7 +30,7 @@ from traincore.preflight import OutputError, check_model_input, ensure_writable_
 from traincore.presets import build_config
 
 
-class LaunchInputError(ValueError):
+class LaunchInputError(UserFacingError):
     """A workflow input is invalid; the message names the input and how to fix it."""
 
 

@@ -14,10 +14,11 @@ import flytekit
 from flytekit import Resources, task
 from flytekit.core.context_manager import FlyteContextManager
 
+from tasks.errors import UserFacingError
 from tasks.storage import source_storage_options
 from tasks.types import StagedDataset
 from traincore.config import DataConfig
-from traincore.data.manifest import FORMAT_VERSION
+from traincore.data.manifest import FORMAT_VERSION, StagingError
 from traincore.data.staging import directory_bytes, stage, staging_key, summary
 
 log = logging.getLogger(__name__)
@@ -43,6 +44,11 @@ def staging_directory(data: DataConfig, source_fingerprint: str) -> Path:
     return cache / "flyte-torch-pipeline" / "staged" / f"format{FORMAT_VERSION}-{key}"
 
 
+class SourceStagingError(UserFacingError, StagingError):
+    """The source could not be staged (an unreadable image, no space left, ...): traincore's StagingError,
+    with its message, shown by ``pyflyte run`` without a traceback (tasks.errors)."""
+
+
 @task(cache=True, cache_version=STAGING_CACHE_VERSION, retries=2, requests=Resources(cpu="2", mem="4Gi"))
 def stage_dataset(data: DataConfig, source_fingerprint: str) -> StagedDataset:
     """Decode, resize and shard ``data.source`` into manifest.json + uint8 shards, cached per DataConfig and
@@ -57,9 +63,12 @@ def stage_dataset(data: DataConfig, source_fingerprint: str) -> StagedDataset:
     """
     output = staging_directory(data, source_fingerprint)
     start = time.perf_counter()
-    manifest = stage(data, output, replace_unusable=True,  # the directory is this task's own
-                     progress=lambda line: print(f"stage_dataset: {line}", flush=True),
-                     storage_options=source_storage_options(data.source))
+    try:
+        manifest = stage(data, output, replace_unusable=True,  # the directory is this task's own
+                         progress=lambda line: print(f"stage_dataset: {line}", flush=True),
+                         storage_options=source_storage_options(data.source))
+    except StagingError as exc:
+        raise SourceStagingError(str(exc)) from None
     if manifest.source_fingerprint != source_fingerprint:
         log.warning("the source %s changed after plan_run fingerprinted it (%s); staged as it is now (%s)",
                     data.source, source_fingerprint, manifest.source_fingerprint)

@@ -693,7 +693,9 @@ def test_s3_source_without_credentials_stage_task(s3_images, tmp_path):
     refused = subprocess.run(command, env=store_env(tmp_path), capture_output=True, text=True, timeout=180,
                              cwd=REPO)
     assert refused.returncode == 3, refused.stderr[-3000:]
-    [message] = [line for line in refused.stderr.splitlines() if line.startswith("refused: StagingError ")]
+    # the stage task's StagingError, shown by pyflyte run without a traceback (tasks.errors)
+    [message] = [line for line in refused.stderr.splitlines()
+                 if line.startswith("refused: SourceStagingError ")]
     for part in (uri, *CREDENTIALS_NAMED):
         assert part in message, f"{part!r} not in: {message}"
     flyte_store = store_env(tmp_path, FLYTE_AWS_ENDPOINT=endpoint, FLYTE_AWS_ACCESS_KEY_ID="testing",

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import subprocess
 import sys
 from pathlib import Path
 
@@ -13,6 +14,7 @@ import tasks.stage
 from traincore.evaluate import evaluate
 from workflows.pipeline import training_pipeline
 
+REPO = Path(__file__).resolve().parents[2]
 # 10 learnable synthetic classes at 16x16; 60 steps of the debug model on 2 processes take a few seconds.
 SMALL = dict(source="synthetic", preset="debug", config_overrides='{"data": {"synthetic_samples": 600}}',
              max_steps=60, nproc_per_node=2)
@@ -78,6 +80,32 @@ def test_bad_inputs_fail_before_anything_runs(bad, named, monkeypatch):
     forbid_staging(monkeypatch)
     with pytest.raises(Exception, match=named):
         training_pipeline(**SMALL | bad)
+
+
+def pyflyte_run(*args: str, cwd: Path) -> subprocess.CompletedProcess:
+    """`pyflyte run workflows/pipeline.py training_pipeline ARGS` as a user runs it; caches of its own."""
+    pyflyte = Path(sys.executable).parent / "pyflyte"
+    env = {**os.environ, "FLYTE_LOCAL_CACHE_ENABLED": "false", "XDG_CACHE_HOME": str(cwd / "cache")}
+    return subprocess.run([str(pyflyte), "run", str(REPO / "workflows" / "pipeline.py"), "training_pipeline",
+                           *args], cwd=cwd, env=env, capture_output=True, text=True, timeout=300)
+
+
+def test_pyflyte_run_shows_a_bad_input_or_a_bad_image_as_its_message_alone(image_folder_factory, tmp_path):
+    """What a user sees first: a bad input (the plan's) or an unreadable image (met while staging, in a
+    decode process) ends `pyflyte run` with our message and no traceback, neither flytekit's nor the
+    decode process's."""
+    images = image_folder_factory("images", per_class=6)
+    first = sorted(images.iterdir())[0]
+    (first / "page.jpg").write_text("<html>not an image</html>")
+    for args, message in ((("--nproc_per_node", "0"), "input nproc_per_node=0 is invalid: it must be >= 1"),
+                          (("--source", f"imagefolder:{images}", "--max_steps", "2"),
+                           f"cannot read image file://{first}/page.jpg: it is not an image")):
+        run = pyflyte_run(*args, cwd=tmp_path)
+        text = run.stdout + run.stderr
+        assert run.returncode == 1 and "Traceback" not in text and "│ ❱" not in text, text[-3000:]
+        # rich-click's "Error" panel folds the message, paths too: compare without whitespace
+        panel = "".join(line.strip("│ ") for line in text.splitlines() if line.startswith("│"))
+        assert "".join(message.split()) in "".join(panel.split()), text[-3000:]
 
 
 @pytest.fixture
