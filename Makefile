@@ -52,9 +52,9 @@ replay: install
 lint: install-dev
 	$(BIN)/ruff check traincore tasks workflows replay tests bench examples
 
-# The config table of docs/config.md, generated from the field docstrings in traincore/config.py.
+# The config table of docs/config.md, generated from the field docstrings in traincore/config/schema.py.
 docs: install
-	$(BIN)/python -m traincore.config_doc --write docs/config.md
+	$(BIN)/python -m traincore.config.doc --write docs/config.md
 
 clean:
 	rm -rf runs .pytest_cache
@@ -77,13 +77,19 @@ VERSION ?=
 CONFIG ?= flyte.config
 PACKAGE ?=
 image:
-	@test -n "$(IMAGE)" || { echo "make image: set IMAGE=<registry>/<name>:<tag>, e.g." \
+	@test -n '$(subst ','\'',$(IMAGE))' || { echo "make image: set IMAGE=<registry>/<name>:<tag>, e.g." \
 		"IMAGE=ghcr.io/acme/flyte-torch-pipeline:v1 (a name without a registry builds a local image only)" >&2; exit 2; }
-	scripts/build-image --variant "$(VARIANT)" --tag "$(IMAGE)" --extras "$(EXTRAS)" --push $(BUILD_OPTS)
+	@# Single-quoted, with each ' spelled '\'', so that the shell passes any value as it is to the script
+	@# (which says what is wrong with a bad one) and expands nothing in it.
+	scripts/build-image --from-make --variant '$(subst ','\'',$(VARIANT))' --tag '$(subst ','\'',$(IMAGE))' \
+		--extras '$(subst ','\'',$(EXTRAS))' --push $(BUILD_OPTS)
 
 register: install
-	PYFLYTE=$(BIN)/pyflyte scripts/register --image "$(IMAGE)" --project "$(PROJECT)" --domain "$(DOMAIN)" \
-		--config "$(CONFIG)" $(if $(VERSION),--version "$(VERSION)") $(if $(PACKAGE),--package "$(PACKAGE)")
+	@# Quoted as in `image`: the script gets each value as it is and says what is wrong with a bad one.
+	PYFLYTE=$(BIN)/pyflyte scripts/register --image '$(subst ','\'',$(IMAGE))' \
+		--project '$(subst ','\'',$(PROJECT))' --domain '$(subst ','\'',$(DOMAIN))' \
+		--config '$(subst ','\'',$(CONFIG))' $(if $(VERSION),--version '$(subst ','\'',$(VERSION))') \
+		$(if $(PACKAGE),--package '$(subst ','\'',$(PACKAGE))')
 
 # Build the CPU image with podman from a local Debian base and run the workflow inside it as the image's
 # non-root user (about 10 minutes cold). Installs podman, buildah and debootstrap with apt-get first when

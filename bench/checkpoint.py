@@ -50,9 +50,9 @@ from traincore.checkpoint import Checkpointer  # noqa: E402
 from traincore.checkpoint.commit import file_checksum  # noqa: E402
 from traincore.checkpoint.layout import tmp_path  # noqa: E402
 from traincore.checkpoint.writer import ChecksumWriter, save_file  # noqa: E402
-from traincore.config import CheckpointConfig  # noqa: E402
+from traincore.config.schema import CheckpointConfig  # noqa: E402
 from traincore.files import publish  # noqa: E402
-from traincore.state import Progress, training_registry  # noqa: E402
+from traincore.run.state import Progress, training_registry  # noqa: E402
 
 WIDTH = 4096
 BATCH = 8

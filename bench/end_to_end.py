@@ -46,8 +46,8 @@ from bench.e2e_measure import (  # noqa: E402
 )
 from bench.loader import image_folder  # noqa: E402
 from bench.tables import markdown_table  # noqa: E402
+from traincore.config.presets import preset  # noqa: E402
 from traincore.data.staging import stage  # noqa: E402
-from traincore.presets import preset  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 TARGETS = {"naive/torchrun": 3.0, "pyflyte/torchrun": 1.1}  # naive at least 3x slower; pyflyte within 1.1x

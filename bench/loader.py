@@ -29,7 +29,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a script from a source checkout
 
-from traincore.config import DataConfig, LoaderConfig  # noqa: E402
+from traincore.config.schema import DataConfig, LoaderConfig  # noqa: E402
 from traincore.data.loader import StagedLoader, StagedSplit  # noqa: E402
 from traincore.data.staging import stage  # noqa: E402
 

@@ -6,7 +6,7 @@
 torchvision ImageFolder with PIL decoding and transforms per sample, a DataLoader with its defaults
 (no workers) over a DistributedSampler, DDP, AdamW, a TensorBoard SummaryWriter with its defaults logging
 the loss every step, and rank 0 writing torch.save(model and optimizer) every --checkpoint-every steps.
-The model comes from traincore.models so that both loops train the same architecture.
+The model comes from traincore.model.build so that both loops train the same architecture.
 
 Only the benchmark's instrumentation is added: rank 0 notes the wall time at the end of every step, the
 seconds spent waiting for each batch and the seconds each save blocks, and writes them to
@@ -31,8 +31,8 @@ from torchvision import datasets, transforms
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a script from a source checkout
 
-from traincore.config import ModelConfig  # noqa: E402
-from traincore.models import build_model  # noqa: E402
+from traincore.config.schema import ModelConfig  # noqa: E402
+from traincore.model.build import build_model  # noqa: E402
 
 
 def parse_args() -> argparse.Namespace:

@@ -41,7 +41,7 @@ from bench.s3_server import local_s3  # noqa: E402
 from bench.sharded import Run, run_ranks, steady  # noqa: E402
 from bench.tables import markdown_table  # noqa: E402
 from traincore.checkpoint import Checkpointer, Store  # noqa: E402
-from traincore.config import CheckpointConfig  # noqa: E402
+from traincore.config.schema import CheckpointConfig  # noqa: E402
 
 TARGETS = {"dcp bytes/s over multipart bytes/s": ">= 0.7", "async blocking over one in-memory copy": "<= 0.1"}
 

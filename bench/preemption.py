@@ -4,7 +4,7 @@
 
 1. Per step: two gloo ranks on the CPU (spawned, one torch thread each) train the digits CNN under DDP on
    random 32x32 batches of 64, ``--steps`` steps per run, alternating runs without and with a
-   :class:`~traincore.preemption.PreemptionWatch` whose ``agree()`` runs after every step, as the
+   :class:`~traincore.run.preemption.PreemptionWatch` whose ``agree()`` runs after every step, as the
    Trainer calls it (its agreement is an all-reduce on a gloo group of its own, started after one step and
    read after the next). The ratio is the median over ``--rounds`` of each round's watched/bare step time;
    the order of the two runs alternates from round to round.
@@ -41,10 +41,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a script 
 
 from bench.s3_server import S3Server, local_s3  # noqa: E402
 from traincore.checkpoint import Store, complete_steps  # noqa: E402
-from traincore.config import CheckpointConfig, DataConfig, ModelConfig  # noqa: E402
+from traincore.config.schema import CheckpointConfig, DataConfig, ModelConfig  # noqa: E402
 from traincore.data.staging import stage  # noqa: E402
-from traincore.models import build_model  # noqa: E402
-from traincore.preemption import PreemptionWatch  # noqa: E402
+from traincore.model.build import build_model  # noqa: E402
+from traincore.run.preemption import PreemptionWatch  # noqa: E402
 
 
 def _timed_steps(watched: bool, steps: int) -> float:

@@ -2,8 +2,8 @@
 
 Two gloo ranks on the CPU (spawned processes, one torch thread each) train a stack of wide nn.Linear blocks
 (``--params``, default 100M: 1.21 GB of fp32 parameters and AdamW moments) sharded by our
-``traincore.dist.parallelize`` with parallelism fsdp, one FSDP unit per block. After one optimizer step (so
-the optimizer state exists), the run's Checkpointer saves the state registry (``training_registry``)
+``traincore.run.dist.parallelize`` with parallelism fsdp, one FSDP unit per block. After one optimizer step
+(so the optimizer state exists), the run's Checkpointer saves the state registry (``training_registry``)
 ``--repeats`` times per mode:
 
   naive (sync)          the whole state gathered onto rank 0 (full_state_dict), which writes state.pt alone
@@ -77,9 +77,9 @@ from bench.tables import markdown_table, scratch_directory  # noqa: E402
 from traincore.checkpoint import Checkpointer  # noqa: E402
 from traincore.checkpoint.dcp import WRITER_THREADS  # noqa: E402  (torch's rows write with as many threads)
 from traincore.checkpoint.format import split_tensors  # noqa: E402
-from traincore.config import CheckpointConfig, DistConfig  # noqa: E402
-from traincore.dist import DistContext, parallelize  # noqa: E402
-from traincore.state import Progress, training_registry  # noqa: E402
+from traincore.config.schema import CheckpointConfig, DistConfig  # noqa: E402
+from traincore.run.dist import DistContext, parallelize  # noqa: E402
+from traincore.run.state import Progress, training_registry  # noqa: E402
 
 WORLD = 2
 BATCH = 8

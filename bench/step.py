@@ -35,12 +35,12 @@ from torch import nn
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a script from a source checkout
 
 from bench.tables import digits_and_scratch, write_results  # noqa: E402
-from traincore.config import Config  # noqa: E402
+from traincore.config.presets import preset  # noqa: E402
+from traincore.config.schema import Config  # noqa: E402
 from traincore.data.loader import StagedLoader, StagedSplit  # noqa: E402
-from traincore.models import SmallCNN, build_model  # noqa: E402
-from traincore.presets import preset  # noqa: E402
-from traincore.steps import endless, seed_everything, warmup_cosine  # noqa: E402
-from traincore.train import Trainer  # noqa: E402
+from traincore.model.build import SmallCNN, build_model  # noqa: E402
+from traincore.run.steps import endless, seed_everything, warmup_cosine  # noqa: E402
+from traincore.run.trainer import Trainer  # noqa: E402
 
 TARGET_RATIO = 1.05
 # small_cnn_imported: the same CNN from a factory, built as a user's model is ("<module>:<callable>").

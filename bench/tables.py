@@ -38,7 +38,7 @@ def markdown_table(rows: list[dict[str, Any]]) -> str:
 def digits_and_scratch(data: str | None, prefix: str) -> Iterator[tuple[Path, Path]]:
     """(staged digits directory, scratch directory): ``data`` when given, else digits staged into the
     scratch directory, which is removed afterwards."""
-    from traincore.config import DataConfig  # here: bench/run.py imports this module without torch
+    from traincore.config.schema import DataConfig  # here: bench/run.py imports this module without torch
     from traincore.data.staging import stage
 
     with tempfile.TemporaryDirectory(prefix=prefix) as tmp:

@@ -10,7 +10,7 @@ import html
 import json
 from dataclasses import dataclass
 
-from traincore.evaluate import EvalResult
+from traincore.artifacts import EvalResult
 
 # Inline, because a Deck is a single page: Flyte's console shows it as it is, with nothing else to fetch.
 STYLE = """<style>

@@ -11,8 +11,7 @@ from flytekit.deck import DeckField
 from tasks.report import evaluation_deck_html, read_metrics
 from tasks.storage import local_directory
 from tasks.types import EvalReport, ModelArtifact, StagedDataset, TrainResult
-from traincore.evaluate import evaluate, format_result
-from traincore.lineage import with_test
+from traincore.artifacts import evaluate, format_result, with_test
 
 TEST_SPLIT = "test"
 
@@ -24,7 +23,7 @@ def evaluate_model(model: ModelArtifact, dataset: StagedDataset, trained: TrainR
     """ModelArtifact + the test split -> EvalReport, with a Deck of training curves, confusion matrix and
     lineage."""
     weights = local_directory(model.directory) / model.weights_file
-    # The model this workflow trained: its own config named the factory (traincore.models.check_trusted).
+    # The model this workflow trained: its own config named the factory (traincore.model.build.check_trusted).
     result = evaluate(weights, local_directory(dataset.directory), TEST_SPLIT, trust_model=True)
     metrics_file = local_directory(trained.logs) / "metrics.jsonl"
     metrics = read_metrics(metrics_file) if metrics_file.is_file() else []

@@ -12,8 +12,7 @@ from flytekit.types.directory import FlyteDirectory
 
 from tasks.storage import local_directory
 from tasks.types import ModelArtifact, StagedDataset, TrainResult, dataset_lineage
-from traincore.export import WEIGHTS_FILE, export
-from traincore.lineage import metric_summary
+from traincore.artifacts import WEIGHTS_FILE, export, metric_summary
 
 
 def execution_id() -> str:

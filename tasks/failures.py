@@ -24,7 +24,7 @@ STDERR_DIR_ENV = "TRAIN_WORKER_STDERR_DIR"
 """Set by the train task for its workers: the directory of their ``rank-<N>.log`` stderr copies."""
 TAIL_LINES = 15
 # first_failure()'s opening words for a worker ended by a signal, as killed_rank() reads them back.
-# The first words of a preempted attempt's error (traincore.preemption.Preempted.headline, and
+# The first words of a preempted attempt's error (traincore.run.preemption.Preempted.headline, and
 # tasks.train.stop_preempted's and tasks.slurm.job's own when no step was saved).
 _PREEMPTED = re.compile(r"\b(?:preempted at step \d+|stopped) by (SIG[A-Z]+)\b")
 _KILLED = re.compile(r"\brank (\d+) failed first \(killed by ([^,]+), pid")

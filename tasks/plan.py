@@ -23,11 +23,9 @@ from tasks.errors import UserFacingError
 from tasks.slurm.ssh import SlurmTarget
 from tasks.storage import is_uri, local_path, source_storage_options
 from tasks.types import SlurmSettings, Topology
-from traincore.config import Config, ConfigError, DataConfig, parse_source
-from traincore.data.fingerprint import source_fingerprint
-from traincore.data.manifest import StagingError
-from traincore.preflight import OutputError, check_model_input, ensure_writable_dir
-from traincore.presets import build_config
+from traincore.config import Config, ConfigError, DataConfig, build_config, parse_source
+from traincore.data import StagingError, source_fingerprint
+from traincore.run import OutputError, check_model_input, ensure_writable_dir
 
 
 class LaunchInputError(UserFacingError):

@@ -22,11 +22,16 @@ from tasks.plan import LaunchInputError, check_protocol
 from tasks.report import promotion_deck_html
 from tasks.storage import NODE_CACHE, is_uri, local_directory, local_path
 from tasks.types import EvalReport, ModelArtifact, Promotion, StagedDataset
-from traincore.evaluate import evaluate
-from traincore.export import WEIGHTS_FILE, load_exported
+from traincore.artifacts import (
+    WEIGHTS_FILE,
+    Champion,
+    Lineage,
+    Registry,
+    evaluate,
+    load_exported,
+    resolve_champion,
+)
 from traincore.files import sha256_file
-from traincore.lineage import Lineage
-from traincore.registry import Champion, Registry, resolve_champion
 
 MODEL_CACHE = NODE_CACHE / "models"  # champions downloaded from an object store
 _EPSILON = 1e-12  # accuracies are ratios of counts: equal figures must compare equal

@@ -26,7 +26,7 @@ from tasks.decks import (
     per_class_table,
     validation_table,
 )
-from traincore.evaluate import EvalResult, format_result
+from traincore.artifacts import EvalResult, format_result
 
 # (metric, panel title): one panel per training metric that metrics.jsonl actually holds ("train" records).
 CURVES = (("loss", "training loss"), ("lr", "learning rate"), ("samples_per_s", "samples/s"),

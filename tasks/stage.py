@@ -18,8 +18,7 @@ from tasks.errors import UserFacingError
 from tasks.storage import source_storage_options
 from tasks.types import StagedDataset
 from traincore.config import DataConfig
-from traincore.data.manifest import FORMAT_VERSION, StagingError
-from traincore.data.staging import directory_bytes, stage, staging_key, summary
+from traincore.data import FORMAT_VERSION, StagingError, directory_bytes, stage, staging_key, summary
 
 log = logging.getLogger(__name__)
 

@@ -39,14 +39,18 @@ from tasks.rendezvous import rendezvous_failure
 from tasks.storage import STORE_SECRET_KEYS, checkpoint_store, is_uri, local_directory, resume_note
 from tasks.types import StagedDataset, Topology, TrainResult
 from traincore.config import Config
-from traincore.data.manifest import Manifest
-from traincore.launch import settle_worker, worker_threads
-from traincore.preemption import PREEMPTED_EXIT_CODE, Preempted, read_record
-from traincore.preflight import preflight
-from traincore.telemetry.records import RecordsSync, attempt_records, next_attempt
-from traincore.telemetry.startup import process_start_time
-from traincore.telemetry.summary import format_summary
-from traincore.train import Trainer
+from traincore.data import Manifest
+from traincore.run import (
+    PREEMPTED_EXIT_CODE,
+    Preempted,
+    Trainer,
+    preflight,
+    read_record,
+    settle_worker,
+    start_method,
+    worker_threads,
+)
+from traincore.telemetry import RecordsSync, attempt_records, format_summary, next_attempt, process_start_time
 
 STORE_SECRET_ENV = "TRAIN_STORE_SECRET"
 """Set by the train task for its workers: the Flyte secret group with the object store's credentials."""
@@ -282,24 +286,26 @@ class ElasticTrainTask(TopologyTaskMixin, PytorchElasticFunctionTask):
 
 
 def worker_start_method(topology: Topology) -> str:
-    """"fork" on one node without GPUs: the workers share the task process's imports (torch, flytekit,
-    traincore: seconds each) instead of importing them again. "spawn" with GPUs, as a CUDA context does not
-    survive a fork and the task's process has asked CUDA for its devices (preflight's backend check); and
-    across nodes, where one pod's agent hosts the rendezvous store of all: forked workers inherit its
-    sockets, and the replayed two-pod PyTorchJob did not complete with them (tests/replay/
-    test_pod_restarts.py), while spawned workers are the path tested there.
+    """"spawn" across nodes, where one pod's agent hosts the rendezvous store of all: forked workers inherit
+    its sockets, and the replayed two-pod PyTorchJob did not complete with them (tests/replay/
+    test_pod_restarts.py), while spawned workers are the path tested there. On one node, traincore's rule
+    (traincore.run.launch.start_method): "fork" for single-threaded workers without GPUs, which then share
+    the task process's imports (torch, flytekit, traincore: seconds each), "spawn" otherwise. Decided when
+    the task is loaded, in the pod that runs it: its cores and OMP_NUM_THREADS are the workers'.
 
     What a fork copies is safe here. At fork time the task process runs, besides its main thread: the
     records thread that copies the workers' stderr tails into the checkpoint root and, for an object-store
     root, fsspec's I/O thread (traincore.telemetry.records; the workers never use either), the c10d
     rendezvous' keep-alive thread and the agent's TCPStore server threads (workers reach the store through
-    sockets of their own), and torch's intra-op threads once
-    preflight's forward ran (a worker sizes its own pool: traincore.launch.settle_worker). Only the forking
-    thread exists in a child, and a lock another thread held at the fork would stay locked there; the
-    locks a worker takes are re-initialised after a fork: logging's handlers' (os.register_at_fork, since
-    Python 3.7) and fsspec's event loop, lock and instance cache (fsspec.asyn and fsspec.spec reset them).
+    sockets of their own), and torch's intra-op threads once preflight's forward ran, which a worker at one
+    thread never uses. Only the forking thread exists in a child, and a lock another thread held at the
+    fork would stay locked there; the locks a worker takes are re-initialised after a fork: logging's
+    handlers' (os.register_at_fork, since Python 3.7) and fsspec's event loop, lock and instance cache
+    (fsspec.asyn and fsspec.spec reset them).
     """
-    return "fork" if topology.nnodes == 1 and not topology.gpus_per_node else "spawn"
+    if topology.nnodes > 1:
+        return "spawn"
+    return start_method(worker_threads(topology.nproc_per_node), cuda=bool(topology.gpus_per_node))
 
 
 def restart_environment(topology: Topology) -> dict[str, str]:

@@ -19,12 +19,10 @@ from flytekit.core.type_engine import DataclassTransformer, TypeEngine
 from flytekit.models.types import LiteralType
 from flytekit.types.directory import FlyteDirectory
 
+from traincore.artifacts import LINEAGE_FILE, EvalResult, ExportResult, Lineage
 from traincore.config import Config
-from traincore.data.manifest import Manifest
-from traincore.evaluate import EvalResult
-from traincore.export import ExportResult
-from traincore.lineage import LINEAGE_FILE, Lineage
-from traincore.telemetry.summary import TrainSummary
+from traincore.data import Manifest
+from traincore.telemetry import TrainSummary
 
 
 @dataclass
@@ -172,7 +170,8 @@ class Promotion:
 
 
 class ConfigTransformer(DataclassTransformer):
-    """flytekit's dataclass transformer for :class:`~traincore.config.Config`, its literal type built once.
+    """flytekit's dataclass transformer for :class:`~traincore.config.schema.Config`, its literal type built
+    once.
 
     flytekit 1.16 derives a dataclass's JSON schema afresh on every ``get_literal_type`` call; for Config's
     56 fields that is 0.2 to 0.4 s, asked for at every task definition and node creation: several seconds

@@ -8,7 +8,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from traincore.config import DataConfig
+from traincore.config.schema import DataConfig
 from traincore.data.staging import stage
 
 # 100 synthetic samples split 80/10/10; 32 per shard puts the train split in three shards (32, 32, 16),

@@ -22,6 +22,18 @@ Tables and sample output are checked against the code too:
   first, with the signature's defaults; the README's table of ``training_pipeline`` and retraining's table
   of ``retrain_and_promote`` list every input;
 - every sample ``plan: ...`` line has the shape of the line ``plan_run`` prints (tasks/plan.py).
+
+And what the pages say against the code, deploy/ and the benchmarks:
+
+- every ``enabled-plugins`` list is deploy/'s, and a gang scheduler named is deploy/'s first;
+- no secret value on a command line (``--from-literal``); every launch-plan activation names its project and
+  domain; every ``$VAR`` a code block uses is set in that block;
+- a page that runs the project with a bare ``python``/``torchrun`` says to activate ``.venv``, and stages the
+  ``--data`` directories its commands read;
+- the README's presets exist with the sources it gives them, and the workflow replaces a preset's source
+  as it says; every list of data sources (pages, the ``source`` help) names every source kind;
+- benchmark figures quoted are bench/results/latest.json's, and the build context described is
+  .dockerignore's.
 """
 
 from __future__ import annotations
@@ -112,8 +124,11 @@ def commands_in(snippet: str) -> list[list[str]]:
 
 
 def page_commands(page: Path) -> list[Command]:
-    text = page.read_text(encoding="utf-8")
-    name = page.relative_to(ROOT).as_posix()
+    return text_commands(page.relative_to(ROOT).as_posix(), page.read_text(encoding="utf-8"))
+
+
+def text_commands(name: str, text: str, inline: bool = True) -> list[Command]:
+    """The commands of a page's code blocks and (with ``inline``) of its inline code spans."""
     code, prose = split_fences(text)
     found = []
     pending, start = "", 0
@@ -128,7 +143,7 @@ def page_commands(page: Path) -> list[Command]:
             continue
         found += [Command(name, start, tuple(c)) for c in commands_in(pending + stripped)]
         pending = ""
-    for match in INLINE_CODE.finditer(prose):
+    for match in INLINE_CODE.finditer(prose if inline else ""):
         number = prose.count("\n", 0, match.start()) + 1
         found += [Command(name, number, tuple(c)) for c in commands_in(match.group(1).replace("\n", " "))]
     return found
@@ -735,3 +750,409 @@ def test_plan_line_check_fails_on_the_old_shape():
             "1 node(s) x 1 process(es) on local")
     assert pattern.fullmatch(line + ", ddp")
     assert not pattern.fullmatch(line)
+
+
+# --- what the pages say against deploy/, the presets, the benchmarks and the code ------------------------
+#
+# Each check reads a page as (name, text), so that it runs on any version of a page, and returns its problems.
+
+
+def page_texts() -> list[tuple[str, str]]:
+    return [(page.relative_to(ROOT).as_posix(), page.read_text(encoding="utf-8")) for page in PAGES]
+
+
+def line_of(text: str, position: int) -> int:
+    return text.count("\n", 0, position) + 1
+
+
+def code_blocks(text: str) -> list[tuple[int, str]]:
+    """(first line number, text) of every fenced code block."""
+    blocks, current, start, inside = [], [], 0, False
+    for number, line in enumerate(text.splitlines(), start=1):
+        if FENCE.match(line):
+            if inside:
+                blocks.append((start, "\n".join(current)))
+                current = []
+            start = number + 1
+            inside = not inside
+        elif inside:
+            current.append(line)
+    return blocks
+
+
+def _yaml_items(node):
+    """Every (key, value) pair of a YAML tree, at any depth."""
+    if isinstance(node, dict):
+        for key, value in node.items():
+            yield key, value
+            yield from _yaml_items(value)
+    elif isinstance(node, list):
+        for value in node:
+            yield from _yaml_items(value)
+
+
+@cache
+def deploy_items() -> tuple:
+    """Every (key, value) pair of every YAML document under deploy/."""
+    import yaml
+
+    items = []
+    for path in sorted((ROOT / "deploy").rglob("*.yaml")):
+        for document in yaml.safe_load_all(path.read_text(encoding="utf-8")):
+            items += _yaml_items(document)
+    return tuple(items)
+
+
+@cache
+def deploy_plugins() -> frozenset[str]:
+    """The plugins deploy/'s values enable (the flyte-binary and flyte-core lists must agree)."""
+    lists = {frozenset(value) for key, value in deploy_items() if key == "enabled-plugins"}
+    assert len(lists) == 1, f"deploy/ has {len(lists)} different enabled-plugins lists: {lists}"
+    return next(iter(lists))
+
+
+PLUGIN_LIST = re.compile(r"enabled-plugins:\s*(?:\[([^\]]*)\]|\n((?:[ \t]*-[ \t]*[\w-]+[ \t]*\n)+))")
+
+
+def plugin_lists(text: str) -> list[tuple[int, set[str]]]:
+    """(line, plugins) of every ``enabled-plugins:`` list a page shows, flow (``[a, b]``) or block style."""
+    found = []
+    for match in PLUGIN_LIST.finditer(text):
+        body = match.group(1) if match.group(1) is not None else match.group(2)
+        plugins = {item.strip(" \t-`") for item in re.split(r"[,\n]", body)} - {""}
+        found.append((line_of(text, match.start()), plugins))
+    return found
+
+
+def plugin_list_problems(name: str, text: str) -> list[str]:
+    """Helm replaces the list as a whole: one shown without a plugin deploy/ enables disables it."""
+    expected = deploy_plugins()
+    return [f"{name}:{line}: enabled-plugins {sorted(shown)} differs from deploy/'s {sorted(expected)} "
+            f"(missing {sorted(expected - shown)}, extra {sorted(shown - expected)})"
+            for line, shown in plugin_lists(text) if shown != expected]
+
+
+@cache
+def deploy_gang_scheduler() -> str:
+    names = {value.split("=", 1)[1] for _, value in deploy_items()
+             if isinstance(value, str) and value.startswith("--gang-scheduler-name=")}
+    assert len(names) == 1, f"deploy/ names {len(names)} gang schedulers: {names}"
+    return names.pop()
+
+
+def gang_scheduler_problems(name: str, text: str) -> list[str]:
+    """A page that names a gang scheduler names deploy/'s first (another one only as the alternative)."""
+    named = list(re.finditer(r"--gang-scheduler-name=([\w.-]+)", text))
+    if named and named[0].group(1) != deploy_gang_scheduler():
+        return [f"{name}:{line_of(text, named[0].start())}: --gang-scheduler-name={named[0].group(1)}, but "
+                f"deploy/training-operator starts the operator with {deploy_gang_scheduler()}"]
+    return []
+
+
+def secret_value_problems(name: str, text: str) -> list[str]:
+    """A secret's value on a command line is visible in ``ps`` and the shell history (docs/deploy.md)."""
+    return [f"{name}:{line_of(text, match.start())}: --from-literal puts the secret's value on the command "
+            "line: use --from-file (a file holding the value) or deploy/create-secrets.sh"
+            for match in re.finditer(r"--from-literal\b", text)]
+
+
+def launch_plan_command(tokens: tuple[str, ...]) -> list[str] | None:
+    """The arguments after ``launchplan`` of ``pyflyte ... launchplan`` or ``flytectl update launchplan``."""
+    tool = os.path.basename(tokens[0])
+    if "launchplan" not in tokens or not (tool == "pyflyte" or (tool == "flytectl" and "update" in tokens)):
+        return None
+    return list(tokens[tokens.index("launchplan") + 1:])
+
+
+@cache
+def pyflyte_options(subcommand: str) -> frozenset[str]:
+    from flytekit.clis.sdk_in_container.pyflyte import main
+
+    params = main.commands[subcommand].params
+    return frozenset(opt for p in params for opt in (*p.opts, *p.secondary_opts) if opt.startswith("-"))
+
+
+def launch_plan_problems(command: Command) -> list[str]:
+    """Activation without --project and --domain acts on the defaults, not where the plan was registered."""
+    args = launch_plan_command(command.tokens)
+    flags = {arg.split("=", 1)[0] for arg in args if arg.startswith("-")}
+    problems = [f"names no {long} ({short})" for long, short in (("--project", "-p"), ("--domain", "-d"))
+                if not flags & {long, short}]
+    if os.path.basename(command.tokens[0]) == "pyflyte":
+        problems += [f"pyflyte launchplan has no option {flag}" for flag in sorted(flags)
+                     if flag not in pyflyte_options("launchplan")]
+    return problems
+
+
+@cache
+def presets() -> dict:
+    """PRESETS (name -> function) of the presets module, wherever the config package keeps it."""
+    for module in ("traincore.config", "traincore.presets"):
+        try:
+            found = getattr(importlib.import_module(module), "PRESETS", None)
+        except ImportError:
+            continue
+        if found:
+            return dict(found)
+    raise AssertionError("neither traincore.config nor traincore.presets has PRESETS")
+
+
+PRESET_BULLET = re.compile(r"^- `(\w+)` \(own source `([^`]+)`\)", flags=re.MULTILINE)
+PRESET_LIST_PAGE = "README.md"  # the page that lists every preset
+
+
+def preset_problems(name: str, text: str) -> list[str]:
+    """A list of presets (``- `name` (own source `source`): ...``) gives each the source it has, the
+    README's names every preset, and the ``preset`` input's row names only presets that exist."""
+    known = presets()
+    listed = PRESET_BULLET.findall(text)
+    problems = [f"{name}: no preset {preset}" for preset, _ in listed if preset not in known]
+    problems += [f"{name}: preset {preset} has the source {known[preset]().data.source!r}, not {source!r}"
+                 for preset, source in listed if preset in known and known[preset]().data.source != source]
+    missing = set(known) - {preset for preset, _ in listed}
+    if name == PRESET_LIST_PAGE and missing:
+        problems.append(f"{name}: the list of presets omits, or gives no own source for, {sorted(missing)}")
+    for table in text_tables(name, text):
+        for row in table.rows:
+            if row[0] == "`preset`" and len(row) > 2:
+                problems += [f"{table.id}: the preset row names {span}, which is no preset"
+                             for span in BACKTICKED.findall(row[2])
+                             if re.fullmatch(r"[a-z_]+", span) and span not in known]
+    return problems
+
+
+# Names a block may use without setting them: the shell's own environment.
+SHELL_ENVIRONMENT = {"HOME", "USER", "PATH", "PWD", "SHELL"}
+# Set in one code block and used in a later one on purpose: docs/deploy.md sets CONNECTOR_IMAGE where it
+# builds the connector's image (step 1) and uses it where it applies the connector (step 4).
+CARRIED_VARIABLES = {"CONNECTOR_IMAGE"}
+VARIABLE_USE = re.compile(r"\$\{?([A-Za-z_]\w*)")
+VARIABLE_SET = re.compile(r"(?:^|[\s;&|(])(?:export\s+)?([A-Za-z_]\w*)=", flags=re.MULTILINE)
+
+
+def variable_problems(name: str, text: str) -> list[str]:
+    """Every ``$VAR`` a code block uses is set in that block: readers run one block, the one they need (of
+    two alternatives, say), and an unset variable expands to nothing without an error."""
+    problems, earlier = [], set()
+    for line, block in code_blocks(text):
+        assigned = set(VARIABLE_SET.findall(block))
+        for variable in sorted(set(VARIABLE_USE.findall(block)) - assigned - SHELL_ENVIRONMENT):
+            if not (variable in CARRIED_VARIABLES and variable in earlier):
+                problems.append(f"{name}:{line}: the code block uses ${variable} but does not set it")
+        earlier |= assigned
+    return problems
+
+
+ACTIVATE = re.compile(r"(?:^|[\s`(])(?:\.|source) \.venv/bin/activate\b", flags=re.MULTILINE)
+
+
+def runs_project_code_from_path(tokens: tuple[str, ...]) -> bool:
+    """A command that runs this repository's code with whatever ``python`` or ``torchrun`` is on PATH."""
+    if tokens[0] == "torchrun" or re.fullmatch(r"examples/[\w./-]+\.sh", tokens[0]):
+        return True
+    return re.fullmatch(r"python(3(\.\d+)?)?", tokens[0]) is not None \
+        and (module_command(tokens) is not None or script_command(tokens) is not None)
+
+
+def venv_problems(name: str, text: str) -> list[str]:
+    """A page whose code blocks run the project with a bare ``python``/``torchrun`` says to activate .venv."""
+    if ACTIVATE.search(text):
+        return []
+    return [f"{c.id}: runs the project with the python on PATH, but the page never says to activate .venv "
+            "(`. .venv/bin/activate`)" for c in text_commands(name, text, inline=False)
+            if runs_project_code_from_path(c.tokens)]
+
+
+def _option_values(args: list[str], flag: str) -> list[str]:
+    values = [arg.split("=", 1)[1] for arg in args if arg.startswith(flag + "=")]
+    return values + [args[i + 1] for i, arg in enumerate(args[:-1]) if arg == flag]
+
+
+def staged_data_problems(name: str, text: str) -> list[str]:
+    """Every ``--data DIR`` a page's train / evaluate commands read is staged on the page
+    (``traincore.stage --output DIR``); placeholders and URIs aside."""
+    commands = [(c, *module_command(c.tokens)) for c in text_commands(name, text, inline=False)
+                if module_command(c.tokens)]
+    staged = {value for _, module, args in commands if module == "traincore.stage"
+              for value in _option_values(args, "--output")}
+    return [f"{c.id}: --data {value} is never staged on this page (traincore.stage --output {value})"
+            for c, module, args in commands if module in ("traincore.train", "traincore.evaluate")
+            for value in _option_values(args, "--data")
+            if value not in staged and not re.search(r"[<$]|://", value)]
+
+
+@cache
+def source_forms() -> tuple[str, ...]:
+    """Every form of a data source, as parse_source's error lists them ('digits', ..., 'python:...')."""
+    from traincore.config import ConfigError, parse_source
+
+    try:
+        parse_source("no-such-kind")
+    except ConfigError as exc:
+        return tuple(re.findall(r"'([^']+)'", str(exc).split(" is unknown", 1)[1]))
+    raise AssertionError("parse_source accepted the source 'no-such-kind'")
+
+
+def source_lists(text: str) -> list[tuple[int, str]]:
+    """(line, text) of every paragraph or table row that lists the sources (names imagefolder's form)."""
+    found, position = [], 0
+    for paragraph in re.split(r"(\n[ \t]*\n)", text):
+        units = paragraph.split("\n") if paragraph.lstrip().startswith("|") else [paragraph]
+        offset = position
+        for unit in units:
+            if "imagefolder:<path-or-URI>" in unit:
+                found.append((line_of(text, offset), unit))
+            offset += len(unit) + 1
+        position += len(paragraph)
+    return found
+
+
+def source_list_problems(name: str, text: str) -> list[str]:
+    return [f"{name}:{line}: lists the sources without {form}" for line, unit in source_lists(text)
+            for form in source_forms() if form not in unit]
+
+
+def workflow_source_helps() -> list[tuple[str, str]]:
+    """(where, text) of the ``source`` input's description in every workflow docstring that lists sources."""
+    found = []
+    for path in sorted((ROOT / "workflows").glob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            if isinstance(node, ast.FunctionDef) and ast.get_docstring(node):
+                match = re.search(r"^    source: (.*?)(?=^    \S|^\S|\Z)", ast.get_docstring(node),
+                                  flags=re.MULTILINE | re.DOTALL)
+                if match and "imagefolder:" in match.group(1):
+                    found.append((f"{path.relative_to(ROOT).as_posix()}:{node.name}", match.group(1)))
+    return found
+
+
+@cache
+def bench_results() -> dict[str, dict]:
+    import json
+
+    data = json.loads((ROOT / "bench" / "results" / "latest.json").read_text(encoding="utf-8"))
+    return {entry["benchmark"]: entry for entry in data["benchmarks"]}
+
+
+def _save_blocks(variant: str) -> float:
+    return next(row["blocking_steady_s"] for row in bench_results()["checkpoint"]["results"]
+                if row["variant"] == variant)
+
+
+# Figures the pages quote from bench/results/latest.json: (the quote, its figure as group 1, the value now).
+BENCH_FIGURES = [
+    (re.compile(r"(\d+(?:\.\d+)?) of a bare (?:step|one)"),
+     lambda: bench_results()["preemption"]["ratios"]["watched/bare step"]),
+    (re.compile(r"`sync` save blocks (\d+(?:\.\d+)?) s\b"), lambda: _save_blocks("sync")),
+    (re.compile(r"`dcp` (\d+(?:\.\d+)?) s\b"), lambda: _save_blocks("dcp")),
+    (re.compile(r"`async` (\d+(?:\.\d+)?) s\b"), lambda: _save_blocks("async")),
+]
+
+
+def bench_figures(text: str) -> list[tuple[str, float]]:
+    """(quoted figure, latest.json's value) of every benchmark figure a page quotes (across line breaks)."""
+    return [(match.group(1), value())
+            for pattern, value in BENCH_FIGURES for match in pattern.finditer(re.sub(r"\s+", " ", text))]
+
+
+def bench_figure_problems(name: str, text: str) -> list[str]:
+    problems = []
+    for quoted, value in bench_figures(text):
+        decimals = len(quoted.split(".")[1]) if "." in quoted else 0
+        if round(value, decimals) != float(quoted):
+            problems.append(f"{name}: quotes {quoted}, bench/results/latest.json has {value:.{decimals}f}")
+    return problems
+
+
+def dockerignore_allowed() -> list[str]:
+    text = (ROOT / ".dockerignore").read_text(encoding="utf-8")
+    return [line[1:].strip() for line in text.splitlines() if line.startswith("!")]
+
+
+def build_context_paragraphs(text: str) -> list[str]:
+    return [p for p in re.split(r"\n[ \t]*\n", text) if "`.dockerignore`" in p and "context to" in p]
+
+
+def build_context_problems(name: str, text: str) -> list[str]:
+    """A page that says what the build context holds names every entry .dockerignore lets in."""
+    return [f"{name}: the build context it describes omits {entry} (.dockerignore lets it in)"
+            for paragraph in build_context_paragraphs(text) for entry in dockerignore_allowed()
+            if f"`{entry}`" not in paragraph]
+
+
+PAGE_CHECKS = {
+    "plugin lists": plugin_list_problems, "gang scheduler": gang_scheduler_problems,
+    "secret values": secret_value_problems, "presets": preset_problems, "variables": variable_problems,
+    "venv": venv_problems, "staged data": staged_data_problems, "sources": source_list_problems,
+    "bench figures": bench_figure_problems, "build context": build_context_problems,
+}
+
+
+@pytest.mark.parametrize("check", PAGE_CHECKS)
+@pytest.mark.parametrize("page", PAGES, ids=lambda p: p.relative_to(ROOT).as_posix())
+def test_pages_agree_with_the_code(page, check):
+    problems = PAGE_CHECKS[check](page.relative_to(ROOT).as_posix(), page.read_text(encoding="utf-8"))
+    assert not problems, "; ".join(problems)
+
+
+@pytest.mark.parametrize("command", _pick(launch_plan_command))
+def test_launch_plan_activation_names_project_and_domain(command):
+    problems = launch_plan_problems(command)
+    assert not problems, f"{command.id}: " + "; ".join(problems)
+
+
+def test_source_helps_name_every_source():
+    helps = [*workflow_source_helps(), ("traincore.stage --source", _options(parser_of("traincore.stage"))
+                                        ["--source"].help)]
+    assert any(where.endswith(":training_pipeline") for where, _ in helps)
+    problems = [f"{where}: no {form}" for where, text in helps for form in source_forms() if form not in text]
+    assert not problems, "; ".join(problems)
+
+
+def test_the_workflow_replaces_a_presets_source_as_the_readme_says():
+    """README: the ``source`` input (default digits) replaces a preset's own source; ``--source ""`` keeps
+    it."""
+    from tasks.plan import launch_config
+
+    assert '`--source ""`' in (ROOT / "README.md").read_text(encoding="utf-8")
+    default = workflow_defaults("training_pipeline")["source"]
+    for name, build in presets().items():
+        assert launch_config(name, "", default, 0, 0).data.source == default
+        assert launch_config(name, "", "", 0, 0).data.source == build().data.source
+
+
+def test_the_pages_show_what_these_checks_read():
+    """The collectors of the checks above find what they are meant to check."""
+    texts = dict(page_texts())
+    assert plugin_lists(texts["docs/backends.md"]) and re.search(r"--gang-scheduler-name=",
+                                                                 texts["docs/backends.md"])
+    assert PRESET_BULLET.findall(texts["README.md"])
+    assert _pick(launch_plan_command), "no launch plan activation found"
+    assert "--project" in pyflyte_options("launchplan")
+    assert [block for _, block in code_blocks(texts["docs/deploy.md"]) if "$CHART_VERSION" in block]
+    assert any(runs_project_code_from_path(c.tokens) for c in text_commands("own-model.md",
+                                                                            texts["docs/own-model.md"]))
+    assert [c for c in text_commands("own-model.md", texts["docs/own-model.md"], inline=False)
+            if module_command(c.tokens) and module_command(c.tokens)[0] == "traincore.train"]
+    assert source_lists(texts["README.md"]) and len(source_forms()) == 4
+    assert {figure for figure, _ in bench_figures(texts["docs/checkpoints.md"])} >= {"0.96", "1.08", "0.011"}
+    assert len(bench_figures(texts["docs/checkpoints.md"])) == 4
+    assert build_context_paragraphs(texts["docs/images.md"]) and "examples" in dockerignore_allowed()
+
+
+def test_the_page_checks_fail_on_what_is_wrong():
+    block = "```bash\nCHART_VERSION=v1\nhelm upgrade --version \"$CHART_VERSION\"\n```\n"
+    assert not variable_problems("p.md", block)
+    assert variable_problems("p.md", block + block.replace("CHART_VERSION=v1\n", ""))
+    assert plugin_list_problems("p.md", "`enabled-plugins: [container, pytorch]`")
+    assert plugin_list_problems("p.md", "```yaml\nenabled-plugins:\n  - container\n  - pytorch\n```\n")
+    assert gang_scheduler_problems("p.md", "`--gang-scheduler-name=volcano`")
+    assert secret_value_problems("p.md", "kubectl create secret generic s --from-literal=key=value")
+    assert preset_problems("README.md", "- `debug` (own source `digits`): wrong\n")
+    assert venv_problems("p.md", "```bash\npython -m traincore.train --data d --output o\n```\n")
+    assert not venv_problems("p.md", "`. .venv/bin/activate`\n```bash\npython -m traincore.train\n```\n")
+    assert staged_data_problems("p.md", "```bash\npython -m traincore.train --data runs/d --output o\n```\n")
+    assert source_list_problems("p.md", "`digits`, `synthetic` or `imagefolder:<path-or-URI>`")
+    assert bench_figure_problems("p.md", "a watched step took 0.99 of a bare one")
+    assert build_context_problems("p.md", "`.dockerignore` limits the context to `pyproject.toml`.")
+    [command] = text_commands("p.md", "`pyflyte --config c launchplan --activate lp`")
+    assert launch_plan_problems(command) == ["names no --project (-p)", "names no --domain (-d)"]

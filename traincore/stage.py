@@ -11,8 +11,7 @@ import sys
 import time
 
 from traincore.config import ConfigError, DataConfig
-from traincore.data.manifest import StagingError
-from traincore.data.staging import directory_bytes, stage, summary
+from traincore.data import StagingError, directory_bytes, stage, summary
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:

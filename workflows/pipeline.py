@@ -68,7 +68,9 @@ def training_pipeline(
     """Train an image classifier with PyTorch (DDP or FSDP): stage the data, train, export and evaluate it.
 
     Args:
-        source: Dataset: 'digits' (bundled with scikit-learn), 'synthetic' or 'imagefolder:<path-or-URI>'.
+        source: Dataset: 'digits' (bundled with scikit-learn), 'synthetic', 'imagefolder:<path-or-URI>' or
+            'python:<module>:<callable>' (a factory of yours returning a map-style dataset of (image, label)
+            items). Replaces the preset's own source; '' keeps it.
         preset: Starting configuration: 'digits', 'debug', 'vit_tiny' (the small ViT) or 'imagenet_like'.
         config_overrides: JSON applied on top of the preset, e.g. '{"loader": {"batch_size": 64}}' or
             '{"model": {"name": "vit_tiny"}}' (models: small_cnn, mlp, resnet18, resnet34, resnet50,

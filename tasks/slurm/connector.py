@@ -53,7 +53,7 @@ from tasks.storage import checkpoint_store
 from tasks.train import TopologyTaskMixin, stop_preempted, task_settings, train_function
 from tasks.types import Topology
 from traincore.config import Config
-from traincore.preemption import read_record
+from traincore.run import read_record
 
 SLURM_TASK_TYPE = "slurm_train"
 JOBS_DIR = ".flyte-torch-pipeline/slurm-jobs"  # on the login node, relative to the user's home

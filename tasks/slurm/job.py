@@ -31,7 +31,7 @@ from google.protobuf.timestamp_pb2 import Timestamp
 from tasks.failures import killed_rank, preemption_signal
 from tasks.slurm.states import JobInfo, Outcome
 from tasks.types import Topology
-from traincore.preemption import PREEMPTED_EXIT_CODE
+from traincore.run import PREEMPTED_EXIT_CODE
 
 log = logging.getLogger(__name__)
 

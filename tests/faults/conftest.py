@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from traincore.config import DataConfig
+from traincore.config.schema import DataConfig
 from traincore.data.staging import stage
 
 FAULT_DATA = DataConfig(source="synthetic", image_size=12, synthetic_samples=480, synthetic_classes=4,

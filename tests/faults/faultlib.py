@@ -155,9 +155,15 @@ def flyte_output(task, attempt_dir: Path):
     return values["o0"]
 
 
+FORK_EXEC_WINDOW_S = 2.0
+"""A child still running its parent's command line this long after it started is a forked worker: a
+``subprocess`` child shares the parent's command line only between its fork and its exec (milliseconds)."""
+
+
 def spawned_workers(pid: int) -> list[int]:
     """torch-elastic's workers directly below ``pid``: spawned (``spawn_main`` in their command line) or
-    forked (``pid``'s own command line); its resource tracker and the workers' own children are left out."""
+    forked (``pid``'s own command line, kept for FORK_EXEC_WINDOW_S: a worker never execs); its resource
+    tracker, the workers' own children and any ``subprocess`` child on its way to an exec are left out."""
     try:
         own = Path(f"/proc/{pid}/cmdline").read_bytes()
     except OSError:
@@ -165,13 +171,21 @@ def spawned_workers(pid: int) -> list[int]:
     workers = []
     for proc in Path("/proc").glob("[0-9]*"):
         try:
-            parent = int((proc / "stat").read_text().rsplit(")", 1)[1].split()[1])
+            stat = (proc / "stat").read_text().rsplit(")", 1)[1].split()
             command = (proc / "cmdline").read_bytes()
         except (OSError, IndexError, ValueError):
             continue
-        if parent == pid and (b"spawn_main" in command or command == own):
+        if int(stat[1]) != pid:
+            continue
+        if b"spawn_main" in command or (command == own and _age_s(int(stat[19])) >= FORK_EXEC_WINDOW_S):
             workers.append(int(proc.name))
     return sorted(workers)
+
+
+def _age_s(start_ticks: int) -> float:
+    """Seconds since a process started, from its start time in clock ticks since boot (/proc/PID/stat)."""
+    uptime = float(Path("/proc/uptime").read_text().split()[0])
+    return uptime - start_ticks / os.sysconf("SC_CLK_TCK")
 
 
 def signal_pending(pid: int, sig: int) -> bool:
@@ -192,7 +206,7 @@ def signal_pending(pid: int, sig: int) -> bool:
 # the test's state in it) that runs a script the test wrote, as `python script.py args` would.
 # (DDP imports torch._dynamo: 3-7 s.)
 FORK_PRELOAD = ["torch", "torch._dynamo", "torch.distributed", "torch.distributed.checkpoint", "numpy",
-                "traincore.checkpoint.checkpointer", "traincore.state", "faultlib"]
+                "traincore.checkpoint.checkpointer", "traincore.run.state", "faultlib"]
 
 
 def _run_script(script: str, args: list[str], env: dict[str, str], log: str) -> None:
@@ -304,7 +318,7 @@ class TinyRun:
         import torch.distributed as dist
         from torch import nn
 
-        from traincore.state import Progress, training_registry
+        from traincore.run.state import Progress, training_registry
 
         self.rank, self.world_size = rank, world_size
         torch.manual_seed(seed)

@@ -37,18 +37,18 @@ from faultlib import TINY, child_env, torchrun
 import traincore.evaluate
 import traincore.export
 import traincore.stage
-import traincore.train_cli
+import traincore.train
 from tasks.launch import train_task_for
 from tasks.plan import plan_run
 from tasks.stage import stage_dataset
 from tasks.types import StagedDataset, Topology
+from traincore.artifacts.export import WEIGHTS_FILE, export
 from traincore.checkpoint import MARKER, verify_checkpoint
-from traincore.config import DataConfig
+from traincore.config.presets import preset
+from traincore.config.schema import DataConfig
 from traincore.data.manifest import MANIFEST, Manifest
 from traincore.data.staging import stage
-from traincore.export import WEIGHTS_FILE, export
-from traincore.presets import preset
-from traincore.train import Trainer
+from traincore.run.trainer import Trainer
 from workflows.pipeline import training_pipeline
 
 REPO = Path(__file__).resolve().parents[2]
@@ -512,7 +512,7 @@ CASES = [
     Case("workflow-wrong-input-type", "workflow", lambda e: dict(epochs="3"),
          ("Failed argument 'epochs'",), ("Expected value of type <class 'int'>",)),
 ]
-CLIS = {"stage": traincore.stage.main, "train": traincore.train_cli.main, "export": traincore.export.main,
+CLIS = {"stage": traincore.stage.main, "train": traincore.train.main, "export": traincore.export.main,
         "evaluate": traincore.evaluate.main}
 
 
@@ -674,7 +674,7 @@ def test_s3_source_without_credentials_stage_cli(s3_images, tmp_path):
 STAGE_TASK = """
 import sys
 from tasks.stage import stage_dataset
-from traincore.config import DataConfig
+from traincore.config.schema import DataConfig
 try:
     staged = stage_dataset(data=DataConfig(source=sys.argv[1], image_size=12, decode_workers=2),
                            source_fingerprint="not-fingerprinted")

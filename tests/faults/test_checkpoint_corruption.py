@@ -37,7 +37,7 @@ from traincore.checkpoint import (
 )
 from traincore.checkpoint.commit import write_marker
 from traincore.checkpoint.format import read_checkpoint
-from traincore.config import CheckpointConfig
+from traincore.config.schema import CheckpointConfig
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
 

@@ -52,7 +52,7 @@ from traincore.checkpoint import store as checkpoint_store
 from traincore.checkpoint import writer as checkpoint_writer
 from traincore.checkpoint import Checkpointer
 from traincore.checkpoint import MARKER, complete_steps, step_dir
-from traincore.config import CheckpointConfig
+from traincore.config.schema import CheckpointConfig
 
 parser = argparse.ArgumentParser()
 parser.add_argument("--root", type=Path, required=True)

@@ -1,7 +1,8 @@
 """Damaged staged data is refused before any worker starts, with an error naming the file and the fix.
 
 Every case damages a private copy of ``fault_data`` the way storage and copies do (truncation, a flipped
-bit, a bad label, a torn or hand-edited manifest) and checks ``traincore.preflight.preflight``, the path every
+bit, a bad label, a torn or hand-edited manifest) and checks ``traincore.run.preflight.preflight``, the path
+every
 run takes before its process group starts; two cases run the train CLI to show exit code 2 and no
 traceback. Image shards are hashed once per staging: the record and a hash counter show that a second
 open hashes nothing, and that a shard changed after verification is hashed again and refused.
@@ -25,12 +26,12 @@ import traincore.data.manifest
 import traincore.data.staging
 import traincore.stage
 from tasks.stage import stage_dataset
-from traincore.config import DataConfig
+from traincore.config.presets import preset
+from traincore.config.schema import DataConfig
 from traincore.data.fingerprint import source_fingerprint
 from traincore.data.loader import StagedSplit
 from traincore.data.manifest import MANIFEST, VERIFIED, Manifest, StagingError, read_record
-from traincore.preflight import preflight
-from traincore.presets import preset
+from traincore.run.preflight import preflight
 
 CONFIG = preset("debug").with_overrides(TINY)
 HUGE_LABEL = 4611686018427387910  # the value a corrupted label showed mid-run before this check existed

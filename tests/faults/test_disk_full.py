@@ -26,8 +26,8 @@ from faultlib import TinyRun, mount_tmpfs, unmount
 
 from traincore.checkpoint import Checkpointer, CheckpointError, complete_steps, step_dir, verify_checkpoint
 from traincore.checkpoint.prune import remove_step
-from traincore.config import CheckpointConfig
-from traincore.state import RNGState
+from traincore.config.schema import CheckpointConfig
+from traincore.run.state import RNGState
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
 

@@ -35,8 +35,8 @@ from faultlib import (
 from tasks.launch import train_task_for
 from tasks.types import StagedDataset, Topology
 from traincore.checkpoint import complete_steps
+from traincore.config.presets import preset
 from traincore.data.manifest import Manifest
-from traincore.presets import preset
 
 MAX_STEPS, EVERY = 60, 10
 # Two local workers, no torch-elastic restarts: a lost worker fails the attempt and Flyte's retry takes over.

@@ -1,6 +1,6 @@
 """A worker that hangs in a collective after step 1 fails the run within dist.step_timeout_s, never silently.
 
-A test-only entry point wraps ``traincore.train_cli.main``: rank 1 sleeps for an hour on its second call of
+A test-only entry point wraps ``traincore.run.cli.main``: rank 1 sleeps for an hour on its second call of
 ``train_step``, so rank 0 waits in step 2's first collective. With ``dist.step_timeout_s`` small (the start-up
 allowance, ``dist.init_timeout_s``, stays at 900 s) rank 0 must raise an error that names the timeout and the
 fix, torchrun's agent must tear the hung rank down, and no process of the run may be left.
@@ -28,11 +28,11 @@ import os
 import sys
 import time
 
-import traincore.steps
-import traincore.train
-import traincore.train_cli
+import traincore.run.steps
+import traincore.run.trainer
+import traincore.run.cli
 
-real_step = traincore.train.train_step
+real_step = traincore.run.trainer.train_step
 calls = 0
 
 
@@ -45,8 +45,8 @@ def hanging_step(*args, **kwargs):
     return real_step(*args, **kwargs)
 
 
-traincore.train.train_step = traincore.steps.train_step = hanging_step
-sys.exit(traincore.train_cli.main())
+traincore.run.trainer.train_step = traincore.run.steps.train_step = hanging_step
+sys.exit(traincore.run.cli.main())
 '''
 
 

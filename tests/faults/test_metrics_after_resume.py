@@ -13,9 +13,9 @@ import pytest
 from faultlib import TINY, child_env, kill_tree, metric_rows, run, torchrun, train_args, wait_for
 
 from traincore.checkpoint import CheckpointError, complete_steps
+from traincore.config.presets import preset
 from traincore.data.manifest import Manifest
-from traincore.presets import preset
-from traincore.train import Trainer
+from traincore.run.trainer import Trainer
 
 MAX_STEPS, EVERY = 60, 10
 CONFIG = {**TINY, "telemetry": {**TINY["telemetry"], "tensorboard": True}}

@@ -20,10 +20,10 @@ import pytest
 import torch
 from faultlib import TINY, child_env, descendants, metric_rows, run, torchrun, train_args, wait_for
 
+from traincore.artifacts.export import export
 from traincore.checkpoint import complete_steps, parse_step_name, step_dir, verify_checkpoint
 from traincore.checkpoint.layout import is_torn
-from traincore.export import export
-from traincore.preemption import PREEMPTED_EXIT_CODE, RECORD_FILE
+from traincore.run.preemption import PREEMPTED_EXIT_CODE, RECORD_FILE
 
 STEPS, EVERY = 300, 100
 DEFAULT_GRACE_S = 20.0

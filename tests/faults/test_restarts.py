@@ -54,7 +54,7 @@ from dataclasses import asdict
 from tasks.launch import train_task_for
 from tasks.types import StagedDataset, Topology
 from traincore.data.manifest import Manifest
-from traincore.train_cli import config_from_args, parse_args
+from traincore.run.cli import config_from_args, parse_args
 
 
 def main():

@@ -46,22 +46,22 @@ from wandb_server import WandbStub
 from tasks.launch import train_task_for
 from tasks.train import WANDB_SECRET
 from tasks.types import StagedDataset, Topology
+from traincore.artifacts.export import export
 from traincore.checkpoint import Checkpointer, CheckpointError, complete_steps, step_dir
 from traincore.checkpoint.commit import write_marker
 from traincore.checkpoint.layout import STATE_FILE
-from traincore.config import CheckpointConfig, DataConfig
+from traincore.config.presets import preset
+from traincore.config.schema import CheckpointConfig, DataConfig
 from traincore.data.manifest import Manifest, StagingError
 from traincore.data.staging import stage
-from traincore.export import export
-from traincore.presets import preset
-from traincore.state import StateRegistry
+from traincore.run.state import StateRegistry
 
 REPO = Path(__file__).resolve().parents[2]
 # Train, then export the latest checkpoint, in one process (one start-up instead of two).
 TRAIN_AND_EXPORT = """
 import sys
-from traincore.export import main as export
-from traincore.train_cli import main as train
+from traincore.artifacts.export import main as export
+from traincore.run.cli import main as train
 split = sys.argv.index("--")
 sys.exit(train(sys.argv[1:split]) or export(sys.argv[split + 1:]))
 """

@@ -40,8 +40,8 @@ from pathlib import Path
 from faultlib import TinyRun
 
 from traincore.checkpoint import Checkpointer
-from traincore.config import CheckpointConfig
-from traincore.state import RNGState
+from traincore.config.schema import CheckpointConfig
+from traincore.run.state import RNGState
 
 parser = argparse.ArgumentParser()
 parser.add_argument("--root", type=Path, required=True)

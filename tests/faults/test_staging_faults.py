@@ -23,7 +23,7 @@ from faultlib import child_env
 import traincore.data.manifest
 import traincore.data.staging
 import traincore.stage
-from traincore.config import DataConfig
+from traincore.config.schema import DataConfig
 from traincore.data.imagefolder import list_images
 from traincore.data.loader import StagedSplit
 from traincore.data.manifest import MANIFEST, VERIFIED, StagingError

@@ -19,9 +19,9 @@ from tasks.train import CPU_PER_PROCESS, MEM_GIB_PER_PROCESS
 from tasks.types import SlurmSettings, StagedDataset, Topology
 from traincore.checkpoint import Store, complete_steps, read_marker, step_dir, step_store, verify_checkpoint
 from traincore.checkpoint.format import read_checkpoint
+from traincore.config.presets import preset
 from traincore.data.manifest import Manifest
-from traincore.preemption import PREEMPTED_EXIT_CODE
-from traincore.presets import preset
+from traincore.run.preemption import PREEMPTED_EXIT_CODE
 
 pytestmark = [pytest.mark.slurm, pytest.mark.slow]
 

@@ -9,7 +9,7 @@ from flytekit.models.task import TaskTemplate
 from flytekit.types.directory import FlyteDirectory
 
 from tasks.types import StagedDataset, Topology
-from traincore.presets import preset
+from traincore.config.presets import preset
 from workflows.pipeline import train_on_backend
 
 IMAGE = "ghcr.io/example/flyte-torch-pipeline:test"

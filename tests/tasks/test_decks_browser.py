@@ -25,11 +25,11 @@ from flytekit.deck.deck import get_deck_template
 
 from tasks.decks import support
 from tasks.report import evaluation_deck_html, promotion_deck_html, read_metrics
-from traincore.evaluate import EvalResult, evaluate
-from traincore.export import export
-from traincore.lineage import Lineage, with_test
-from traincore.presets import preset
-from traincore.train import Trainer
+from traincore.artifacts.evaluate import EvalResult, evaluate
+from traincore.artifacts.export import export
+from traincore.artifacts.lineage import Lineage, with_test
+from traincore.config.presets import preset
+from traincore.run.trainer import Trainer
 
 ROOT = Path(__file__).resolve().parents[2]
 ENSURE = ROOT / "scripts" / "ensure-chromium"

@@ -17,8 +17,8 @@ from tasks.plan import (
     plan_run,
 )
 from tasks.types import Topology
+from traincore.config.presets import preset
 from traincore.data.fingerprint import source_fingerprint
-from traincore.presets import preset
 
 PLAN_DEFAULTS = dict(source="digits", preset="digits", config_overrides="", epochs=0, max_steps=0,
                      backend="local", nnodes=1, nproc_per_node=2, gpus_per_node=0, accelerator="",

@@ -11,13 +11,13 @@ from flytekit.types.directory import FlyteDirectory
 from tasks.plan import LaunchInputError
 from tasks.promote import check_promoted_uri, decide, promotion_gate
 from tasks.types import EvalReport, ModelArtifact, StagedDataset, dataset_lineage
+from traincore.artifacts.evaluate import evaluate
+from traincore.artifacts.export import WEIGHTS_FILE, export
+from traincore.artifacts.lineage import LINEAGE_FILE, Lineage, with_test
+from traincore.artifacts.registry import Registry
+from traincore.config.presets import preset
 from traincore.data.manifest import Manifest
-from traincore.evaluate import evaluate
-from traincore.export import WEIGHTS_FILE, export
-from traincore.lineage import LINEAGE_FILE, Lineage, with_test
-from traincore.presets import preset
-from traincore.registry import Registry
-from traincore.train import Trainer
+from traincore.run.trainer import Trainer
 
 
 @pytest.mark.parametrize("challenger, threshold, champion, tolerance, promoted, why", [

@@ -27,8 +27,8 @@ from torch.distributed.elastic.rendezvous.c10d_rendezvous_backend import C10dRen
 from tasks.rendezvous import RendezvousStateUnpickler
 from tasks.train import ElasticTrainTask
 from tasks.types import StagedDataset, Topology
+from traincore.config.presets import preset
 from traincore.data.manifest import Manifest
-from traincore.presets import preset
 
 TIMEOUT_S = 5
 RUN_ID = "local"  # flytekit's execution id name outside a cluster: the run id the plugin gives torch

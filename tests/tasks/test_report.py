@@ -23,7 +23,7 @@ from tasks.report import (
     read_metrics,
     validation_png,
 )
-from traincore.evaluate import EvalResult
+from traincore.artifacts.evaluate import EvalResult
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 

@@ -14,7 +14,7 @@ import tasks.stage
 from tasks.plan import plan_run
 from tasks.stage import stage_dataset
 from tasks.types import StagedDataset
-from traincore.config import DataConfig
+from traincore.config.schema import DataConfig
 from traincore.data.fingerprint import source_fingerprint
 from traincore.data.manifest import Manifest
 from traincore.data.staging import stage

@@ -12,10 +12,10 @@ from tasks.export import export_model
 from tasks.launch import train_task_for
 from tasks.report import read_metrics
 from tasks.types import StagedDataset, Topology
+from traincore.artifacts.evaluate import evaluate
+from traincore.artifacts.lineage import Lineage
+from traincore.config.presets import preset
 from traincore.data.manifest import Manifest
-from traincore.evaluate import evaluate
-from traincore.lineage import Lineage
-from traincore.presets import preset
 
 
 def staged(directory: Path) -> StagedDataset:

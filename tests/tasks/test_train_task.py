@@ -27,9 +27,9 @@ from tasks.launch import train_task, train_task_for
 from tasks.slurm.connector import SLURM_TASK_TYPE
 from tasks.train import ElasticTrainTask
 from tasks.types import SlurmSettings, StagedDataset, Topology
-from traincore.config import ConfigError
+from traincore.config.presets import preset
+from traincore.config.schema import ConfigError
 from traincore.data.manifest import Manifest
-from traincore.presets import preset
 
 
 @pytest.fixture
@@ -144,7 +144,7 @@ def test_task_name_depends_on_the_topology_alone(tmp_path, monkeypatch):
     (tmp_path / "builds_at_import.py").write_text(
         "from tasks.launch import train_task_for\n"
         "from tasks.types import Topology\n"
-        "from traincore.config import Config\n"
+        "from traincore.config.schema import Config\n"
         "task = train_task_for(Topology(backend='kubernetes', nnodes=7, nproc_per_node=3), Config())\n")
     monkeypatch.syspath_prepend(str(tmp_path))
     built_at_import = importlib.import_module("builds_at_import").task

@@ -11,11 +11,11 @@ from flytekit.core.type_engine import DataclassTransformer, TypeEngine
 from flytekit.types.directory import FlyteDirectory
 
 from tasks.types import ConfigTransformer, EvalReport, ModelArtifact, StagedDataset, Topology
-from traincore.config import Config
-from traincore.evaluate import EvalResult
-from traincore.export import ExportResult
-from traincore.lineage import Lineage
-from traincore.presets import preset
+from traincore.artifacts.evaluate import EvalResult
+from traincore.artifacts.export import ExportResult
+from traincore.artifacts.lineage import Lineage
+from traincore.config.presets import preset
+from traincore.config.schema import Config
 from workflows.pipeline import training_pipeline
 
 

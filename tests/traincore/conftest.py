@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from traincore.config import DataConfig
+from traincore.config.schema import DataConfig
 from traincore.data.staging import stage
 
 

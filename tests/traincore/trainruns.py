@@ -14,8 +14,8 @@ from pathlib import Path
 
 import torch
 
+from traincore.artifacts.export import export
 from traincore.checkpoint import complete_steps
-from traincore.export import export
 
 TINY = {"model": {"name": "small_cnn", "width": 8}, "optim": {"lr": 3e-3, "warmup_steps": 2},
         "loader": {"batch_size": 8}, "telemetry": {"log_every": 2}}

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 import tasks.stage
-from traincore.evaluate import evaluate
+from traincore.artifacts.evaluate import evaluate
 from workflows.pipeline import training_pipeline
 
 REPO = Path(__file__).resolve().parents[2]

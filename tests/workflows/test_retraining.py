@@ -17,8 +17,8 @@ import pytest
 
 import tasks.stage
 from tasks.promote import decide
-from traincore.lineage import Lineage
-from traincore.registry import Registry
+from traincore.artifacts.lineage import Lineage
+from traincore.artifacts.registry import Registry
 from workflows.schedules import retrain_and_promote
 
 OVERRIDES = {"data": {"image_size": 12}, "train": {"max_steps": 12}, "loader": {"batch_size": 8},

@@ -37,8 +37,9 @@ from traincore.checkpoint.resume import RunFit, check_fit, choose_step
 from traincore.checkpoint.store import Store, as_store, is_uri
 
 __all__ = [
-    "FORMAT_VERSION", "MARKER", "CheckpointError", "CheckpointWriteError", "Checkpointer",
-    "CorruptCheckpointError", "RunFit", "SaveStats", "Store", "as_store", "check_fit", "choose_step",
-    "complete_steps", "is_uri", "latest_complete", "open_saved", "parse_step_name", "read_checkpoint",
-    "read_marker", "step_dir", "step_store", "verify_checkpoint",
+    "as_store", "check_fit", "Checkpointer", "CheckpointError", "CheckpointWriteError",
+    "choose_step", "complete_steps", "CorruptCheckpointError", "FORMAT_VERSION", "is_uri",
+    "latest_complete", "MARKER", "open_saved", "parse_step_name", "read_checkpoint", "read_marker",
+    "RunFit", "SaveStats", "step_dir", "step_store", "Store",
+    "verify_checkpoint",
 ]

@@ -1,6 +1,7 @@
 """Checkpoints: save and resume a run's state registry in one of three modes.
 
-The checkpointer is handed a :class:`~traincore.state.StateRegistry` and never looks inside its members: it
+The checkpointer is handed a :class:`~traincore.run.state.StateRegistry` and never looks inside its members:
+it
 saves the registry's shared state and gathers every rank's per-rank state. ``sync`` writes one ``state.pt``
 from rank 0; ``dcp`` and ``async`` write a torch.distributed.checkpoint directory, every rank its own part.
 Where the files go is :mod:`traincore.checkpoint.layout`, the commit marker and its checksums
@@ -33,7 +34,7 @@ copies everything before ``save`` returns. At most one save is in flight: the ne
 ``wait`` and ``close`` first wait for the previous one, since overlapping DCP saves can hang.
 
 Every mode reads and writes the model and optimizer through torch.distributed.checkpoint's state_dict API
-(:mod:`traincore.state`), which imports the package at the first save or load, not at start-up; DCP's
+(:mod:`traincore.run.state`), which imports the package at the first save or load, not at start-up; DCP's
 storage layer (:mod:`traincore.checkpoint.dcp`) is used by ``dcp`` and ``async`` checkpoints only.
 
 Per-rank state (RNG streams) cannot be matched to ranks when the world size changed since the save; it is
@@ -67,8 +68,8 @@ from traincore.checkpoint.store import Store, as_store
 from traincore.checkpoint.writer import save_to_store, serialize, write_to_store
 from traincore.config import CheckpointConfig
 
-if TYPE_CHECKING:  # traincore.state imports DCP's state-dict helpers
-    from traincore.state import StateRegistry
+if TYPE_CHECKING:  # traincore.run.state imports DCP's state-dict helpers
+    from traincore.run import StateRegistry
 
 # Creating the checkpoint group: every rank left the process-group barrier and DDP's parameter broadcast
 # moments before, and only telemetry set-up lies between (W&B's own init gives up after 90 s), so a rank
@@ -341,7 +342,7 @@ class Checkpointer:
 
 def registered_optimizers(registry: StateRegistry) -> list[Optimizer]:
     """The optimizers whose steps change the registry's tensors: members that are one or wrap one (as
-    traincore.state.OptimizerState does, in its ``optimizer`` attribute)."""
+    traincore.run.state.OptimizerState does, in its ``optimizer`` attribute)."""
     found = []
     for member in [*registry.shared.values(), *registry.per_rank.values()]:
         optimizer = member if isinstance(member, Optimizer) else getattr(member, "optimizer", None)

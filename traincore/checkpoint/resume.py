@@ -73,7 +73,7 @@ class RunFit:
     (a checkpoint of an older version), which fits anything."""
 
     model: dict[str, Any] | None
-    """The model config fields that decide its tensors (:func:`traincore.config.model_identity`)."""
+    """The model config fields that decide its tensors (:func:`traincore.config.schema.model_identity`)."""
     classes: list[str] | None
     """The staged data's class names, in label order."""
     shape: list[int] | None

@@ -3,8 +3,24 @@
     sources      built-in sources (digits, synthetic) and the split arithmetic every source shares
     imagefolder  ``<root>/<class>/<image>`` on a local path or any fsspec URI
     fingerprint  the fingerprint of a source as it is now (part of the staging cache key)
+    pysource     ``python:<module>:<callable>``: a user's dataset of (image, label) items
+    decode       image conversion to the staged shape, and the process pool that decodes a source's chunks
     staging      decode a source once into size-capped uint8 shards, published atomically
+    progress     staging's progress lines (items, bytes, rate) for every source
     manifest     the staged format: manifest.json, its records, and the integrity checks every reader runs
     loader       memory-mapped reader and the resumable, world-size-independent training loader
+    augment      augmentation on the device (random resized crop, flip), seeded by each batch's place
     autotune     an opt-in probe that picks num_workers and prefetch_factor for this machine
 """
+
+from traincore.data.autotune import autotune
+from traincore.data.fingerprint import source_fingerprint
+from traincore.data.loader import Batch, Normalizer, StagedLoader, StagedSplit, epoch_batches, eval_batches
+from traincore.data.manifest import FORMAT_VERSION, Manifest, StagingError, verify_staging
+from traincore.data.staging import directory_bytes, stage, staging_key, summary
+
+__all__ = [
+    "autotune", "Batch", "directory_bytes", "epoch_batches", "eval_batches", "FORMAT_VERSION", "Manifest",
+    "Normalizer", "source_fingerprint", "stage", "StagedLoader", "StagedSplit", "staging_key", "StagingError",
+    "summary", "verify_staging",
+]

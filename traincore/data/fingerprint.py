@@ -26,7 +26,7 @@ from collections.abc import Callable
 
 from traincore.config import DataConfig, parse_source
 from traincore.data.imagefolder import ImageListing, list_images
-from traincore.data.pysource import dataset_classes, load_item, open_dataset
+from traincore.data.pysource import load_item, open_dataset
 from traincore.data.sources import check_synthetic
 
 log = logging.getLogger(__name__)
@@ -83,8 +83,9 @@ def listing_fingerprint(listing: ImageListing) -> str:
 def python_fingerprint(path: str, cfg: DataConfig) -> str:
     """A dataset factory's identity: its import path, length and class names, and three of its items as
     staged (see the module docstring for what that cannot see)."""
-    count = len(open_dataset(path))
-    hasher = hashlib.sha256(json.dumps([path, count, dataset_classes(path)]).encode())
+    dataset = open_dataset(path)
+    count = dataset.count
+    hasher = hashlib.sha256(json.dumps([path, count, dataset.classes]).encode())
     for index in sorted({0, count // 2, count - 1}):
         pixels, label = load_item(path, index, cfg.image_size, cfg.channels)
         hasher.update(pixels.tobytes() + label.to_bytes(8, "little"))

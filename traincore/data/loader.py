@@ -118,6 +118,12 @@ def rank_batches(order: np.ndarray, start: int, batch_size: int, rank: int, worl
             yield padded[rank * share:(rank + 1) * share]
 
 
+def epoch_batches(num_samples: int, global_batch: int, drop_last: bool) -> int:
+    """Global batches in one epoch of ``num_samples``: the final partial one counts unless ``drop_last``."""
+    full, rest = divmod(num_samples, global_batch)
+    return full if drop_last or rest == 0 else full + 1
+
+
 class _EpochSampler:
     """Batch sampler handed to torch's DataLoader; reads the loader's position each time it is iterated.
 
@@ -170,8 +176,7 @@ class StagedLoader:
 
     @property
     def steps_per_epoch(self) -> int:
-        full, rest = divmod(len(self.split), self.global_batch_size)
-        return full if self.cfg.drop_last or rest == 0 else full + 1
+        return epoch_batches(len(self.split), self.global_batch_size, self.cfg.drop_last)
 
     def _make_dataloader(self) -> torch.utils.data.DataLoader:
         return torch.utils.data.DataLoader(

@@ -14,15 +14,18 @@ import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 
 from traincore.config import TelemetryConfig
-from traincore.dist import DistContext
 from traincore.telemetry.metrics import IntervalMeter, RunTotals, WaitTimer, memory_metrics, peak_flops
 from traincore.telemetry.sinks import MetricSink, build_sinks
 from traincore.telemetry.startup import StartupClock
 from traincore.telemetry.wandb_access import resolve_wandb_key
+
+if TYPE_CHECKING:  # the run imports telemetry, never the reverse
+    from traincore.run import DistContext
 
 logger = logging.getLogger(__name__)
 

@@ -1,7 +1,7 @@
 """Metric sinks for rank 0: JSONL always, TensorBoard and Weights & Biases as configured.
 
 Each sink takes ``log(step, metrics, kind)``, ``resumed_at(step)`` and ``close()``; :func:`build_sinks`
-opens the set a :class:`~traincore.config.TelemetryConfig` asks for.
+opens the set a :class:`~traincore.config.schema.TelemetryConfig` asks for.
 
 Resuming: an attempt killed after its last checkpoint (step S) had already logged steps S+1..K, and the
 resumed attempt trains and logs them again. ``resumed_at(S)`` (called by Telemetry once the checkpoint is
@@ -145,7 +145,8 @@ class TensorBoardSink:
         from torch.utils.tensorboard import SummaryWriter
 
         if gc.get_freeze_count():
-            # The first log comes after the training loop froze the heap (traincore.train.gc_paused); frozen
+            # The first log comes after the training loop froze the heap (traincore.run.trainer.gc_paused);
+            # frozen
             # too, the ~20,000 objects of the modules just imported stay out of its scheduled collections,
             # each of which would otherwise walk them (25 ms, on every collection to the end of the run).
             gc.freeze()

@@ -43,7 +43,7 @@ from tasks.storage import resume_note
 from tasks.train import CPU_PER_PROCESS, MEM_GIB_PER_PROCESS
 from tasks.types import SlurmSettings, Topology
 from traincore.checkpoint import MARKER
-from traincore.preemption import PREEMPTED_EXIT_CODE
+from traincore.run.preemption import PREEMPTED_EXIT_CODE
 
 ROOT = Path(__file__).resolve().parents[3]
 ENTRYPOINT = ["pyflyte-execute", "--inputs", "/shared/x/inputs.pb", "--output-prefix", "/shared/x",
@@ -87,7 +87,7 @@ def test_each_node_asks_for_the_train_tasks_requests_unless_the_users_flags_do()
 def test_the_slurm_task_asks_each_node_for_its_processes_cpus_and_memory():
     from tasks.launch import train_task_for
     from tasks.slurm.connector import template_request
-    from traincore.presets import preset
+    from traincore.config.presets import preset
 
     task = train_task_for(Topology(backend="slurm", nproc_per_node=3, slurm=SlurmSettings(target="hpc")),
                           preset("debug"))
@@ -263,7 +263,7 @@ def test_slurm_task_serialises_with_pyflyte_package_and_carries_no_secret(tmp_pa
     module.write_text(
         "from tasks.launch import train_task_for\n"
         "from tasks.types import SlurmSettings, Topology\n"
-        "from traincore.config import Config\n"
+        "from traincore.config.schema import Config\n"
         "slurm_train = train_task_for(Topology(\n"
         "    backend='slurm', nnodes=2, nproc_per_node=1,\n"
         "    slurm=SlurmSettings(target='hpc-login', partition='batch', setup='module load python')),\n"

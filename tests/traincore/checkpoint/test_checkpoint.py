@@ -33,9 +33,9 @@ from traincore.checkpoint import commit as checkpoint_commit
 from traincore.checkpoint import writer as checkpoint_writer
 from traincore.checkpoint.format import open_saved, read_checkpoint
 from traincore.checkpoint.writer import ChecksumWriter
-from traincore.config import CHECKPOINT_MODES, CheckpointConfig, Config, ModelConfig
-from traincore.models import build_model
-from traincore.state import Progress, StateRegistry, training_registry, unwrap_model
+from traincore.config.schema import CHECKPOINT_MODES, CheckpointConfig, Config, ModelConfig
+from traincore.model.build import build_model
+from traincore.run.state import Progress, StateRegistry, training_registry, unwrap_model
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
 

@@ -10,8 +10,8 @@ import torch
 
 from traincore.checkpoint import read_marker, step_dir
 from traincore.checkpoint.format import flat_shapes, merge, read_checkpoint, split_tensors
-from traincore.presets import debug
-from traincore.train import Trainer
+from traincore.config.presets import debug
+from traincore.run.trainer import Trainer
 
 V2 = Path(__file__).parent / "fixtures" / "checkpoint-v2"
 # The run that wrote the version-2 fixtures (see their README).

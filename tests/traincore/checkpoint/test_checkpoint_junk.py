@@ -18,7 +18,7 @@ from test_checkpoint import load, make_state, save_steps, train
 
 from traincore.checkpoint import MARKER, Checkpointer, CheckpointError, complete_steps, step_dir
 from traincore.checkpoint.layout import foreign_entries
-from traincore.config import CheckpointConfig
+from traincore.config.schema import CheckpointConfig
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
 LOGGER = "traincore.checkpoint.checkpointer"

@@ -20,8 +20,8 @@ from torch import nn
 from traincore.checkpoint import Checkpointer
 from traincore.checkpoint import snapshot as checkpoint_staging
 from traincore.checkpoint.snapshot import SYNC_COPY_BYTES
-from traincore.config import CheckpointConfig
-from traincore.state import Progress, RNGState, training_registry
+from traincore.config.schema import CheckpointConfig
+from traincore.run.state import Progress, RNGState, training_registry
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
 
@@ -216,10 +216,11 @@ from traincore.checkpoint import format as checkpoint_format
 from traincore.checkpoint import layout as checkpoint_files
 from traincore.checkpoint import writer as checkpoint_writer
 from traincore.checkpoint import Checkpointer
-from traincore.config import CheckpointConfig
+from traincore.config.schema import CheckpointConfig
 
 class Registry:
-    # What the Checkpointer uses of a StateRegistry (traincore.state itself imports DCP's state-dict helpers).
+    # What the Checkpointer uses of a StateRegistry (traincore.run.state itself imports DCP's state-dict
+    # helpers).
     def __init__(self, value):
         self.weights = {"w": torch.full((4,), value)}
     def shared_state(self, full=False):

@@ -31,9 +31,9 @@ from traincore.checkpoint import (
     verify_checkpoint,
 )
 from traincore.checkpoint.format import read_checkpoint
-from traincore.config import CHECKPOINT_MODES, CheckpointConfig
-from traincore.preemption import PREEMPTED_EXIT_CODE, read_record
-from traincore.preflight import OutputError, ensure_writable_store
+from traincore.config.schema import CHECKPOINT_MODES, CheckpointConfig
+from traincore.run.preemption import PREEMPTED_EXIT_CODE, read_record
+from traincore.run.preflight import OutputError, ensure_writable_store
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
 

@@ -20,13 +20,13 @@ from traincore.checkpoint import (
     step_store,
 )
 from traincore.checkpoint.format import SavedState
-from traincore.config import CheckpointConfig, LoaderConfig
+from traincore.config.presets import debug
+from traincore.config.schema import CheckpointConfig, LoaderConfig
 from traincore.data.loader import StagedLoader, StagedSplit
 from traincore.data.manifest import Manifest
-from traincore.preflight import check_resume
-from traincore.presets import debug
-from traincore.state import RunMeta, StateRegistry
-from traincore.train import Trainer
+from traincore.run.preflight import check_resume
+from traincore.run.state import RunMeta, StateRegistry
+from traincore.run.trainer import Trainer
 
 
 def test_a_checkpoint_of_other_data_is_refused_by_name(tmp_path):

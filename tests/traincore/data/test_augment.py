@@ -9,11 +9,11 @@ import pytest
 import torch
 
 from traincore.checkpoint import complete_steps, read_checkpoint, step_dir
-from traincore.config import ConfigError, LoaderConfig
+from traincore.config.presets import debug, digits, imagenet_like
+from traincore.config.schema import ConfigError, LoaderConfig
 from traincore.data.augment import Augmenter
 from traincore.data.loader import StagedLoader, StagedSplit
-from traincore.presets import debug, digits, imagenet_like
-from traincore.train import Trainer
+from traincore.run.trainer import Trainer
 
 
 def ramp(n: int = 6, size: int = 8) -> torch.Tensor:

@@ -8,7 +8,7 @@ import re
 
 import pytest
 
-from traincore.config import LoaderConfig
+from traincore.config.schema import LoaderConfig
 from traincore.data.autotune import autotune, candidates, probe
 from traincore.data.loader import StagedSplit
 

@@ -10,7 +10,7 @@ import fsspec
 import pytest
 
 import traincore.data.imagefolder
-from traincore.config import DataConfig
+from traincore.config.schema import DataConfig
 from traincore.data.fingerprint import digits_fingerprint, source_fingerprint
 from traincore.data.imagefolder import list_images
 from traincore.data.manifest import StagingError

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from traincore.config import DataConfig
+from traincore.config.schema import DataConfig
 from traincore.data.fingerprint import source_fingerprint
 from traincore.data.imagefolder import list_images
 from traincore.data.loader import StagedSplit
@@ -126,6 +126,7 @@ def test_images_of_unknown_value_range_are_refused_naming_the_file(mode, value, 
     message = str(info.value)
     assert f"{root}/class_0/" in message and "-scan.tif" in message and words in message
     assert "save it as an 8- or 16-bit PNG or TIFF" in message
+    assert message.count("-scan.tif") == 1 and "cannot read image" not in message  # said once, not wrapped
     assert not (tmp_path / "out").exists()
 
 

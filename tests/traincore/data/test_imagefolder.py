@@ -11,7 +11,7 @@ import traceback
 import numpy as np
 import pytest
 
-from traincore.config import DataConfig
+from traincore.config.schema import DataConfig
 from traincore.data.imagefolder import ImageFile, assign_splits, list_images
 from traincore.data.loader import StagedSplit
 from traincore.data.manifest import SPLITS, Manifest, StagingError

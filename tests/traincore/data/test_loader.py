@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from traincore.config import LoaderConfig
+from traincore.config.schema import LoaderConfig
 from traincore.data.loader import (
     Normalizer,
     StagedLoader,

@@ -11,7 +11,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from traincore.config import DataConfig
+from traincore.config.schema import DataConfig
 from traincore.data.loader import StagedSplit
 from traincore.data.manifest import FORMAT_VERSION, SPLITS, VERIFIED, Manifest, StagingError, verify_images
 from traincore.data.sources import Source, split_counts

@@ -5,7 +5,7 @@ from __future__ import annotations
 import io
 import logging
 
-from traincore.config import DataConfig
+from traincore.config.schema import DataConfig
 from traincore.data.progress import LINE_EVERY_S, ProgressMeter
 from traincore.data.staging import stage
 

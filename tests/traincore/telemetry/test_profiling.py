@@ -6,9 +6,9 @@ import json
 
 import torch
 
-from traincore.presets import debug
+from traincore.config.presets import debug
+from traincore.run.trainer import Trainer
 from traincore.telemetry.profiling import ProfilerWindow
-from traincore.train import Trainer
 
 
 def work() -> None:

@@ -11,9 +11,9 @@ import pytest
 from s3_server import tensorboard_steps  # noqa: I001  (tests/s3_server.py)
 
 from traincore.checkpoint import Store
-from traincore.presets import debug
+from traincore.config.presets import debug
+from traincore.run.trainer import Trainer
 from traincore.telemetry.records import TAIL_BYTES, RecordsSync, attempt_records, next_attempt
-from traincore.train import Trainer
 
 
 def fresh_root(s3) -> Store:

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from traincore.config import ConfigError, TelemetryConfig
+from traincore.config.schema import ConfigError, TelemetryConfig
 from traincore.telemetry.sinks import (
     JsonlSink,
     TensorBoardSink,
@@ -329,8 +329,8 @@ TENSORBOARD_MODULES = ("tensorboard", "torch.utils.tensorboard", "boto3")
 
 IMPORTS_CHECK = textwrap.dedent("""
     import json, sys
-    import traincore.train
-    from traincore.config import TelemetryConfig
+    import traincore.run.trainer
+    from traincore.config.schema import TelemetryConfig
     from traincore.telemetry.sinks import build_sinks
     loaded = lambda: [name for name in {modules!r} if name in sys.modules]
     sinks = build_sinks(TelemetryConfig(tensorboard=True), {output!r}, {{}})

@@ -79,8 +79,8 @@ def test_preflight_of_our_own_model_does_not_import_sympy(synthetic_dir, tmp_pat
     # A forward on the meta device would (over a second): the launcher of forked workers only checks.
     code = f"""
 import json, sys
-from traincore.presets import debug
-from traincore.preflight import preflight
+from traincore.config.presets import debug
+from traincore.run.preflight import preflight
 preflight(debug(), {str(synthetic_dir)!r}, {str(tmp_path / "run")!r})
 print(json.dumps([m for m in ("sympy", "torch._dynamo") if m in sys.modules]))
 """
@@ -94,9 +94,9 @@ def sync_run(synthetic_dir, tmp_path_factory) -> dict:
     output = tmp_path_factory.mktemp("sync-run") / "run"
     code = f"""
 import json, sys
-from traincore.presets import debug
+from traincore.config.presets import debug
 from traincore.telemetry.startup import process_start_time
-from traincore.train import Trainer
+from traincore.run.trainer import Trainer
 cfg = debug().with_overrides({{"train": {{"max_steps": 4}}, "checkpoint": {{"mode": "sync"}},
                               "telemetry": {{"tensorboard": False, "progress": "off"}}}})
 summary = Trainer(cfg, {str(synthetic_dir)!r}, {str(output)!r}, started_at=process_start_time()).train()
@@ -122,8 +122,8 @@ def test_a_sync_run_without_tensorboard_loads_neither_tensorboard_nor_wandb_nor_
 
 
 def test_trainer_built_in_process_counts_from_its_construction(synthetic_dir, tmp_path):
-    from traincore.presets import debug
-    from traincore.train import Trainer
+    from traincore.config.presets import debug
+    from traincore.run.trainer import Trainer
 
     cfg = debug().with_overrides({"train": {"max_steps": 2}, "telemetry": {"tensorboard": False,
                                                                            "progress": "off"}})
@@ -134,8 +134,8 @@ def test_trainer_built_in_process_counts_from_its_construction(synthetic_dir, tm
 
 
 def test_a_resumed_attempt_logs_its_own_startup_record(synthetic_dir, tmp_path):
-    from traincore.presets import debug
-    from traincore.train import Trainer
+    from traincore.config.presets import debug
+    from traincore.run.trainer import Trainer
 
     cfg = debug().with_overrides({"train": {"max_steps": 2}, "telemetry": {"tensorboard": False,
                                                                            "progress": "off"}})

@@ -15,8 +15,8 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from torch import nn
 
-from traincore.config import TelemetryConfig
-from traincore.dist import DistContext
+from traincore.config.schema import TelemetryConfig
+from traincore.run.dist import DistContext
 from traincore.telemetry import metrics
 from traincore.telemetry.metrics import memory_metrics, peak_flops, training_flops_per_sample
 from traincore.telemetry.reporting import Telemetry, Workload, logging_setup

@@ -16,8 +16,8 @@ from collections.abc import Iterator
 import pytest
 from wandb_server import WandbStub
 
-from traincore.preflight import preflight
-from traincore.presets import debug
+from traincore.config.presets import debug
+from traincore.run.preflight import preflight
 from traincore.telemetry.wandb_access import WANDB_PROBE_TIMEOUT_S, WandbError, check_wandb_reachable
 
 SECRET = "local-0123456789abcdef0123456789abcdef01234567"  # a well-formed key of a local W&B server
@@ -128,7 +128,7 @@ def test_a_run_the_server_refuses_is_one_line_with_wandbs_reason(tmp_path, monke
     threading.Thread(target=server.serve_forever, daemon=True).start()
     base = f"http://127.0.0.1:{server.server_port}"
     monkeypatch.setenv("WANDB_BASE_URL", base)
-    script = ("import sys; from traincore.config import TelemetryConfig; "
+    script = ("import sys; from traincore.config.schema import TelemetryConfig; "
               "from traincore.telemetry.sinks import WandbSink; "
               "WandbSink(sys.argv[1], TelemetryConfig(wandb_mode='online'), {}).resumed_at(0)")
     try:

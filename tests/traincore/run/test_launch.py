@@ -1,0 +1,165 @@
+"""``python -m traincore.train --nproc-per-node N``: forked gloo workers, checked once by their parent."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from traincore.checkpoint import complete_steps
+from traincore.run.launch import start_method
+
+TINY = {"model": {"name": "small_cnn", "width": 8}, "loader": {"batch_size": 16},
+        "telemetry": {"log_every": 2, "tensorboard": False, "progress": "off"}}
+
+
+def train(data: Path, output: Path, *extra: str, launcher: tuple[str, ...] = (), config: dict | None = None,
+          env: dict | None = None) -> subprocess.CompletedProcess:
+    """Run the train CLI, behind ``launcher`` when given (e.g. torchrun's module and flags)."""
+    command = [sys.executable, *launcher, "-m", "traincore.train", "--data", str(data), "--output",
+               str(output), "--preset", "debug", "--config", json.dumps(config or TINY), *extra]
+    return subprocess.run(command, capture_output=True, text=True, timeout=300,
+                          env={**os.environ, "OMP_NUM_THREADS": "1", **(env or {})})
+
+
+def records(output: Path, kind: str) -> list[dict]:
+    lines = (output / "metrics.jsonl").read_text().splitlines()
+    return [row for row in map(json.loads, lines) if row["kind"] == kind]
+
+
+def test_two_forked_workers_train_and_rank_0_reports_once(digits_dir, tmp_path):
+    started = time.time()
+    done = train(digits_dir, tmp_path / "run", *TWO, "--max-steps", "4")
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    assert "global batch 32" in done.stderr, done.stderr[-3000:]  # two workers of 16
+    assert done.stdout.count("trained 4 steps") == 1, done.stdout
+    assert complete_steps(tmp_path / "run" / "checkpoints") == [4]
+    assert [row["step"] for row in records(tmp_path / "run", "train")] == [2, 4]
+    # One start-up record, rank 0's, counted from the command's start: the parent's imports, its one
+    # preflight and the imports it shares with the workers, then the workers' own phases.
+    [startup] = records(tmp_path / "run", "startup")
+    phases = [key[:-2] for key in startup if key.endswith("_s") and key != "total_s"]
+    assert phases == ["imports", "preflight", "dynamo_import", "launch", "process_group", "loader", "model",
+                      "telemetry", "checkpoint_look-up", "first_step"]
+    assert started - 1 < startup["origin"] < started + startup["imports_s"]
+    assert done.stderr.count("to first step: imports") == 1, done.stderr[-3000:]
+
+
+TWO = ["--nproc-per-node", "2"]
+
+
+@pytest.mark.parametrize("data, flags, message", [
+    ("digits", [*TWO, "--config", '{"loader": {"batch_size": 0}}'], "loader.batch_size=0"),
+    ("digits", [*TWO, "--config", '{"loader": {"batch_size": 100000}}'], "lower loader.batch_size"),
+    ("absent", TWO, "is not a staged dataset"),
+    ("digits", ["--nproc-per-node", "0"], "--nproc-per-node=0 is invalid"),
+    ("digits", [*TWO, "--max-restarts", "-1"], "--max-restarts=-1 is invalid"),
+    ("digits", ["--max-restarts", "1"], "add --nproc-per-node N"),
+])
+def test_bad_input_is_refused_by_the_parent_before_any_worker_starts(digits_dir, tmp_path, data, flags,
+                                                                     message):
+    data_dir = digits_dir if data == "digits" else tmp_path / data
+    done = train(data_dir, tmp_path / "run", *flags)
+    assert done.returncode == 2, done.stderr[-3000:]
+    assert message in done.stderr and done.stderr.count("error: ") == 1, done.stderr[-3000:]
+    assert "[rank" not in done.stderr  # no worker set up its logging
+    assert not (tmp_path / "run").exists()
+
+
+def test_a_worker_error_reaches_the_user_with_a_non_zero_exit(digits_dir, tmp_path):
+    # Only rank 0's telemetry reads the peak override, in the worker, after the parent's checks passed.
+    done = train(digits_dir, tmp_path / "run", *TWO, "--max-steps", "4", env={"TRAINCORE_PEAK_FLOPS": "fast"})
+    assert done.returncode == 2, done.stderr[-3000:]
+    assert "error: TRAINCORE_PEAK_FLOPS='fast' is not a positive number" in done.stderr
+    # torch elastic's report, as torchrun prints it: the failed rank and its exit code.
+    assert "Root Cause (first observed failure)" in done.stderr, done.stderr[-3000:]
+    assert "exitcode  : 2" in done.stderr
+    assert "trained" not in done.stdout
+
+
+def forked_workers(pid: int) -> list[int]:
+    """The processes forked directly below ``pid`` (a forked worker keeps its parent's command line)."""
+    own, workers = Path(f"/proc/{pid}/cmdline").read_bytes(), []
+    for proc in Path("/proc").glob("[0-9]*"):
+        try:
+            parent = int((proc / "stat").read_text().rsplit(")", 1)[1].split()[1])
+            if parent == pid and (proc / "cmdline").read_bytes() == own:
+                workers.append(int(proc.name))
+        except (OSError, IndexError, ValueError):
+            continue
+    return workers
+
+
+def test_a_killed_worker_is_restarted_and_the_run_resumes(digits_dir, tmp_path):
+    output = tmp_path / "run"
+    command = [sys.executable, "-m", "traincore.train", "--data", str(digits_dir), "--output", str(output),
+               "--preset", "debug", "--config", json.dumps(TINY), *TWO, "--max-restarts", "1",
+               "--max-steps", "60", "--checkpoint-every", "5"]
+    proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env={**os.environ, "OMP_NUM_THREADS": "1"})
+    deadline = time.monotonic() + 120
+    while not complete_steps(output / "checkpoints") and time.monotonic() < deadline and proc.poll() is None:
+        time.sleep(0.05)
+    workers = forked_workers(proc.pid)
+    assert len(workers) == 2 and proc.poll() is None, workers
+    os.kill(workers[-1], signal.SIGKILL)
+    stdout, stderr = proc.communicate(timeout=240)
+    assert proc.returncode == 0, stderr[-3000:]
+    assert "trained 60 steps" in stdout and "resumed from step" in stderr
+    # Each attempt reports its own start-up; the restarted one counts from its own fork, not the command.
+    first, second = records(output, "startup")
+    assert "preflight_s" in first and "preflight_s" not in second and "launch_s" in second
+    assert second["origin"] > first["time"]
+
+
+PARENT_POOL_THEN_ONE_WORKER = """
+import sys
+import torch
+torch.set_num_threads(2)
+torch.randn(1500, 1500) @ torch.randn(1500, 1500)  # this process's intra-op pool is up, with 2 threads
+from traincore.run.cli import main
+sys.exit(main(sys.argv[1:]))
+"""
+
+
+def test_one_worker_at_the_default_thread_count_trains_after_its_launcher_ran_a_parallel_op(digits_dir,
+                                                                                              tmp_path):
+    """One worker per node with a restart budget and no OMP_NUM_THREADS (a CPU pod's usual set-up), started
+    by a process that has already run a multi-threaded op: a worker forked from it waited forever in its
+    first parallel op (the pool's threads do not exist in a child). It must train and exit."""
+    output = tmp_path / "run"
+    args = ["--data", str(digits_dir), "--output", str(output), "--preset", "debug", "--config",
+            json.dumps(TINY), "--nproc-per-node", "1", "--max-restarts", "1", "--max-steps", "3"]
+    env = {k: v for k, v in os.environ.items() if k != "OMP_NUM_THREADS"}
+    proc = subprocess.Popen([sys.executable, "-c", PARENT_POOL_THEN_ONE_WORKER, *args], env=env, text=True,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True)
+    try:
+        stdout, stderr = proc.communicate(timeout=100)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        stdout, stderr = proc.communicate()
+        pytest.fail(f"the worker hung: {stderr[-2000:]}")
+    assert proc.returncode == 0, stderr[-3000:]
+    assert "trained 3 steps" in stdout
+    assert complete_steps(output / "checkpoints") == [3]
+
+
+@pytest.mark.parametrize(("threads", "cuda", "method"), [(1, False, "fork"), (2, False, "spawn"),
+                                                         (1, True, "spawn"), (8, True, "spawn")])
+def test_workers_are_forked_only_when_single_threaded_and_without_cuda(threads, cuda, method):
+    assert start_method(threads, cuda) == method
+
+
+def test_nproc_per_node_is_refused_under_torchrun(digits_dir, tmp_path):
+    torchrun = ("-m", "torch.distributed.run", "--standalone", "--nproc-per-node=1")
+    done = train(digits_dir, tmp_path / "run", *TWO, launcher=torchrun)
+    assert done.returncode != 0
+    assert ("error: --nproc-per-node launches workers itself, but this process is already a worker of "
+            "torchrun (LOCAL_RANK=0)") in done.stderr, done.stderr[-3000:]
+    assert not (tmp_path / "run").exists()

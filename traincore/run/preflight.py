@@ -1,0 +1,207 @@
+"""Checks a run passes before any process group or worker starts: the config against the staged data,
+this machine and the model, the output and checkpoint locations, and the checkpoint a resume would load.
+
+Everything here fails with a message naming the problem and its fix, so nothing fails only once training
+has begun (in a worker, after the launcher's start-up).
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+import uuid
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from traincore.checkpoint import (
+    RunFit,
+    Store,
+    as_store,
+    check_fit,
+    choose_step,
+    open_saved,
+    read_marker,
+    step_store,
+)
+from traincore.config import OWN_MODELS, Config, ModelConfig, is_imported_model, model_identity
+from traincore.data import Manifest, verify_staging
+from traincore.model import ModelImportError, build_model, check, plan, read_init_file
+from traincore.run.dist import resolve_backend
+from traincore.run.steps import check_step_fits_epoch
+from traincore.telemetry import check_wandb_reachable, resolve_wandb_key
+
+
+def preflight(cfg: Config, data_dir: str | Path, output_dir: str | Path | None = None,
+              checkpoint_dir: str | Path | Store | None = None) -> Manifest:
+    """Check the config against the staged data before any process group starts; returns the manifest.
+
+    Also, so that nothing fails only once training has begun: W&B online mode's key and server (reached
+    within a few seconds), the process-group backend against this machine, the model against the staged
+    sample shape (on the meta device: no memory, no compute) and, when given, the output directory and the
+    checkpoint root (created if missing, probed with a file), and the checkpoint a resume would load (its
+    step exists, its model and data match this run's).
+
+    The splits a run reads are verified here (traincore.data.manifest.verify_staging: labels every time, image
+    shards hashed once per staging), so a corrupt staging fails with a StagingError naming the file.
+    """
+    manifest = verify_staging(data_dir, Manifest.load(data_dir), ("train", "val"))
+    train_count = manifest.splits["train"].count
+    if cfg.loader.drop_last and train_count < cfg.loader.batch_size:
+        raise ValueError(f"loader.batch_size={cfg.loader.batch_size} exceeds the {train_count} training "
+                         f"samples in {data_dir}: lower loader.batch_size")
+    check_step_fits_epoch(cfg, train_count, str(data_dir))  # train.grad_accum_steps within one epoch
+    resolve_wandb_key(cfg.telemetry.wandb_mode)  # online mode without a key fails here, not in a worker
+    check_wandb_reachable(cfg.telemetry.wandb_mode)  # nor without network (rank 0, after wandb's retries)
+    if cfg.model.name == "vit_b_16" and manifest.shape[1] % 16:
+        raise ValueError(f"model.name='vit_b_16' needs an image size divisible by 16; {data_dir} is staged "
+                         f"at {manifest.shape[1]}: stage again with a multiple of 16")
+    resolve_backend(cfg.dist, torch.cuda.is_available())  # nccl without CUDA fails here, not in a worker
+    check_model_input(cfg.model, manifest.num_classes, manifest.shape, f"the data in {data_dir}",
+                      cfg.loader.batch_size)
+    if output_dir is not None:
+        output_dir = Path(output_dir)
+        ensure_writable_dir(output_dir, "output directory", "--output")
+        root = as_store(checkpoint_dir or output_dir / "checkpoints")
+        if root.local:
+            ensure_writable_dir(root.path, "checkpoint directory", "--checkpoint-dir or checkpoint_uri")
+        else:
+            ensure_writable_store(root)
+        resumed = check_resume(cfg, manifest, root, data_dir)
+    else:
+        resumed = None
+    if cfg.model.init_from and resumed is None:
+        check_init(cfg.model, manifest.num_classes, manifest.shape)
+    return manifest
+
+
+class OutputError(ValueError):
+    """An output location cannot be written; the message names it and the fix."""
+
+
+def ensure_writable_dir(path: str | Path, what: str, option: str) -> Path:
+    """``path`` as a directory this process can write: created if missing, then proven with a probe file
+    (created and removed; permission bits alone do not tell, e.g. for root or on a read-only mount).
+    OutputError names ``what`` (``"output directory"``), the path and the ``option`` that sets it."""
+    path = Path(path)
+    fix = f"set {option} to a directory you can write to"
+    if path.exists() and not path.is_dir():
+        raise OutputError(f"{what} {path} is a file, not a directory: {fix}")
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise OutputError(f"{what} {path} cannot be created ({exc.strerror or exc}): {fix}") from exc
+    try:
+        handle, probe = tempfile.mkstemp(prefix=".write-probe-", dir=path)
+        os.close(handle)
+        os.unlink(probe)
+    except OSError as exc:
+        raise OutputError(f"{what} {path} is not writable ({exc.strerror or exc}): {fix}") from exc
+    return path
+
+
+def ensure_writable_store(store: Store) -> None:
+    """An object-store checkpoint root this process can write and list: proven with a probe object
+    (written, listed and removed), so that missing credentials, an unknown bucket or a read-only key fail
+    here, naming the root, instead of at the first save after training."""
+    probe = f".write-probe-{uuid.uuid4().hex[:12]}"
+    try:
+        store.write_bytes(probe, b"probe")
+        try:
+            if store.size(probe) != len(b"probe"):
+                raise OSError(f"the probe object {store.uri_of(probe)} did not read back")
+        finally:
+            store.remove_file(probe)
+    except Exception as exc:  # botocore, gcsfs and adlfs raise their own classes for auth and network errors
+        reason = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise OutputError(f"checkpoint root {store} cannot be written ({type(exc).__name__}: {reason}): "
+                          "check that the bucket exists and that the credentials (AWS_* or FLYTE_AWS_* for "
+                          "s3://) may write there, or set --checkpoint-dir / checkpoint_uri to another "
+                          "location") from exc
+
+
+def check_model_input(model: ModelConfig, num_classes: int, shape: tuple[int, ...] | list[int], data: str,
+                      batch_size: int = 2) -> None:
+    """ValueError unless ``model`` builds for ``shape`` (C, H, W) samples, trains on batches of
+    ``batch_size`` and maps them to ``num_classes`` logits.
+
+    Our own models run a forward on CPU zeros without gradients, in training mode on min(batch_size, 2)
+    samples (BatchNorm needs > 1 value per channel: a batch of 1 whose feature map shrinks to 1x1 fails)
+    and in eval mode: milliseconds. On the meta device the first op with a Python meta kernel imports
+    sympy (over a second), which a run that fails here, or a launcher that only checks, need not pay.
+    The torchvision models run on the meta device: building their tens of millions of real weights
+    takes seconds, and importing torchvision has already paid for sympy.
+
+    An imported model (``"<module>:<callable>"``) runs on the meta device too, and on CPU zeros when one
+    of its ops has no meta kernel. Its factory's errors (ModelImportError) propagate as they are: they
+    name its import path.
+    """
+    shape = tuple(shape)
+    imported = is_imported_model(model.name)
+    device = "cpu" if model.name in OWN_MODELS else "meta"
+    try:
+        try:
+            logits = _probe(model, num_classes, shape, batch_size, device)
+        except NotImplementedError:
+            if not imported:
+                raise
+            logits = _probe(model, num_classes, shape, batch_size, "cpu")  # an op without a meta kernel
+    except ModelImportError:
+        raise
+    except (RuntimeError, ValueError) as exc:
+        reason = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        fix = "fix the model" if imported else "choose another model.name"
+        raise ValueError(f"model.name={model.name!r} cannot take {data}: samples of shape {shape} in "
+                         f"batches of {batch_size} ({reason}); stage the data with a larger "
+                         f"data.image_size, raise loader.batch_size, or {fix}") from exc
+    if not isinstance(logits, torch.Tensor):
+        raise ValueError(f"model.name={model.name!r} returns a {type(logits).__name__} for a batch of "
+                         f"{data}, not a tensor of logits: make it return logits of shape (N, {num_classes})")
+    if tuple(logits.shape) != (2, num_classes):
+        fix = (f"make it return logits of shape (N, {num_classes})" if imported
+               else "choose another model.name")
+        raise ValueError(f"model.name={model.name!r} maps {data} to logits of shape "
+                         f"{tuple(logits.shape)[1:]}, not ({num_classes},): {fix}")
+
+
+def _probe(model: ModelConfig, num_classes: int, shape: tuple[int, ...], batch_size: int, device: str) -> Any:
+    """Build ``model`` on ``device`` and run it on zeros, in training then eval mode; the eval output."""
+    with torch.device(device), torch.no_grad():
+        built = build_model(model, num_classes, shape)
+        built.train()(torch.zeros(min(batch_size, 2), *shape))
+        return built.eval()(torch.zeros(2, *shape))
+
+
+def check_init(model: ModelConfig, num_classes: int, shape: tuple[int, ...] | list[int]) -> None:
+    """InitError unless model.init_from can be read and fits the model (built on the meta device) as the
+    worker will load it: the same plan and check (traincore.model.warmstart)."""
+    with torch.device("meta"):
+        built = build_model(model, num_classes, tuple(shape))
+    tensors, digest = read_init_file(model.init_from)
+    shapes = {name: value.shape for name, value in built.state_dict().items()}
+    check(plan(shapes, tensors, model.init_exclude, model.init_from, digest), model.init_strict)
+
+
+def check_resume(cfg: Config, manifest: Manifest, root: Store, data_dir: str | Path) -> int | None:
+    """Refuse, before training, a resume the checkpointer would refuse once the workers run: it picks the
+    step as the checkpointer does (traincore.checkpoint.choose_step: the newest complete one that passes
+    verification, or the one asked for) and refuses one of a format this code cannot read, of another
+    model, or of data with other classes, another sample shape or another number of training samples
+    (traincore.checkpoint.check_fit). Returns the step a resume loads, or None for a fresh start."""
+    wanted = cfg.checkpoint.resume
+    if wanted == "none":
+        return None
+    step = choose_step(root, None if wanted == "latest" else int(wanted), cfg.checkpoint.verify_on_load)
+    if step is None:
+        return None
+    directory = step_store(root, step)
+    marker = read_marker(directory)
+    if not root.local and marker["format"] == "torch_save":
+        # Its record sits inside the whole state (state.pt): the checkpointer downloads it once to load it,
+        # and refuses it then if it does not fit; reading it here too would download it once more.
+        return step
+    run = RunFit(model_identity(cfg.to_dict()["model"]), list(manifest.classes), list(manifest.shape),
+                 manifest.splits["train"].count)
+    check_fit(directory, open_saved(directory, marker), run, data=str(data_dir))
+    return step

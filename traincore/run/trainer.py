@@ -1,0 +1,373 @@
+"""Train on a staged dataset: the :class:`Trainer`, one run in this worker.
+
+``python -m traincore.train`` is its command line (:mod:`traincore.run.cli`: flags, local workers,
+torchrun, and one ``error:`` line for bad input). A Trainer builds the run's parts (process group, loader,
+model, optimizer, telemetry, state registry, checkpointer), resumes from the latest complete checkpoint,
+and :meth:`Trainer.train` runs the steps as a story: one step, telemetry, the preemption agreement, a
+checkpoint when due, validation. On CPU with a fixed seed and world size a run is deterministic, so a
+resumed run ends with bitwise the same weights as an uninterrupted one.
+"""
+
+from __future__ import annotations
+
+import gc
+import importlib
+import logging
+from collections.abc import Iterator
+from contextlib import ExitStack, contextmanager
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from traincore.checkpoint import Checkpointer, CheckpointError, Store, as_store, complete_steps, step_store
+from traincore.config import Config
+from traincore.data import Manifest, StagedLoader, StagedSplit, autotune
+from traincore.model import build_model, parameter_count, shard_units, warm_start
+from traincore.run.dist import (
+    DistContext,
+    distributed,
+    explain_timeouts,
+    parallelize,
+    tighten_timeout,
+)
+from traincore.run.preemption import (
+    Preempted,
+    PreemptionWatch,
+    clear_record,
+    write_record,
+)
+from traincore.run.preflight import preflight
+from traincore.run.state import Progress, training_registry
+from traincore.run.steps import endless, seed_everything, total_steps, train_step, validate, warmup_cosine
+from traincore.telemetry import (
+    ProfilerWindow,
+    RecordsSync,
+    StartupClock,
+    Telemetry,
+    TrainSummary,
+    Workload,
+    attempt_records,
+    logging_setup,
+    next_attempt,
+    peak_flops,
+    state_bytes,
+    training_flops_per_sample,
+)
+
+log = logging.getLogger(__name__)
+
+
+@contextmanager
+def gc_paused() -> Iterator[None]:
+    """A collection mid-step costs more than the garbage it frees: the loop collects on its schedule.
+
+    What exists when the loop starts (torch's modules and the run's parts: millions of objects, which a
+    full collection walks for most of a second) is frozen, so the loop's collections only look at what
+    the steps allocated since.
+    """
+    gc.disable()
+    gc.freeze()
+    try:
+        yield
+    finally:
+        gc.unfreeze()
+        gc.enable()
+
+
+class Trainer:
+    """One run in this worker, complete once built: the process group, loader, model, optimizer, schedule,
+    telemetry, state registry, checkpointer and profiler are up, and the latest checkpoint (if any) is
+    loaded. :meth:`train` runs the steps and closes everything; a Trainer that will not train is closed
+    with :meth:`close` (or used as a context manager).
+
+    ``started_at`` (epoch seconds, e.g. :func:`~.startup.process_start_time`) is where the start-up
+    figures begin: what ran before the Trainer was built counts as "imports". None: they begin now.
+
+    A worker of a launcher that ran :func:`preflight` once for all its workers (``--nproc-per-node``)
+    passes the ``manifest`` preflight returned, which skips preflight here, and the launcher's
+    ``startup`` clock (:meth:`~.startup.StartupClock.state_dict`), which it continues in place
+    of ``started_at``: the time up to this Trainer counts as "launch".
+
+    ``attempt`` numbers this attempt's records in a durable checkpoint root (``records/attempt-<N>/``,
+    :mod:`~traincore.telemetry.records`); None takes the next free number.
+
+    Process-wide settings the run needs (deterministic algorithms, the root logger's handler and level)
+    are restored when the Trainer closes, so code that runs in the same process afterwards is unaffected.
+    """
+
+    def __init__(self, cfg: Config, data_dir: str | Path, output_dir: str | Path,
+                 checkpoint_dir: str | Path | Store | None = None, started_at: float | None = None, *,
+                 manifest: Manifest | None = None, startup: dict | None = None, attempt: int | None = None):
+        self.attempt = attempt
+        self.startup = StartupClock(started_at)
+        if startup is not None:
+            self.startup.load_state_dict(startup)
+            self.startup.mark("launch")
+        elif started_at is not None:
+            self.startup.mark("imports")
+        self.cfg, self.data_dir, self.output = cfg, Path(data_dir), Path(output_dir)
+        self.checkpoint_root = as_store(checkpoint_dir or self.output / "checkpoints")
+        if manifest is None:
+            manifest = preflight(cfg, data_dir, self.output, self.checkpoint_root)
+            self.startup.mark("preflight")
+        self.manifest = manifest
+        self.progress = Progress()
+        self.closed = False
+        self.parts = ExitStack()  # unwinds in reverse: profiler, checkpointer, telemetry, logging, group, ...
+        try:
+            self._open(self.parts)
+        except BaseException:
+            self.parts.close()
+            raise
+
+    def _open(self, stack: ExitStack) -> None:
+        """Every part of the run, each closed by ``stack`` however the run ends; then the resume."""
+        cfg = self.cfg
+        # torch.optim's constructors and use_deterministic_algorithms import torch._dynamo (about 1.5 s on a
+        # 2-core machine, in any PyTorch training script): a phase of its own, so none of ours looks slow.
+        importlib.import_module("torch._dynamo")
+        self.startup.mark("dynamo import")
+        stack.enter_context(deterministic_algorithms(cfg.train.deterministic))
+        self.ctx = ctx = stack.enter_context(distributed(cfg.dist))
+        stack.enter_context(logging_setup(cfg.telemetry.level, ctx.rank))
+        # Closed among the last: its grace timer bounds the checkpointer's and telemetry's closing too.
+        self.preemption = PreemptionWatch(cfg.checkpoint.preemption_grace_s, ctx.world_size,
+                                          committed=self._committed_checkpoint)
+        stack.callback(self.preemption.close)
+        self.startup.mark("process group")
+        self.output.mkdir(parents=True, exist_ok=True)
+        if ctx.is_main:
+            clear_record(self.checkpoint_root)
+        self.loader, self.val_split = training_loader(cfg, self.data_dir, ctx)
+        self.total_steps = total_steps(cfg, self.loader.steps_per_epoch)
+        # Samples per optimizer step, across ranks and accumulated batches.
+        self.step_batch_size = self.loader.global_batch_size * cfg.train.grad_accum_steps
+        self.startup.mark("loader")
+        model = build_model(cfg.model, self.manifest.num_classes, self.manifest.shape, seed=cfg.train.seed)
+        self.init_record = self._warm_start(model)
+        workload = self._workload(model)
+        self.model = parallelize(model.to(ctx.device), model_units(model, cfg), cfg.dist, ctx,
+                                 bf16=cfg.train.bf16, compile=cfg.model.compile)
+        self.optimizer, self.scheduler = optimizer_and_schedule(cfg, self.model, self.total_steps)
+        self.startup.mark("model")
+        self.records = self._records()
+        if self.records is not None:  # closed after telemetry, whose last rows and events it copies
+            stack.callback(self.records.close)
+        self.telemetry = Telemetry(cfg.telemetry, self.output, ctx, workload, cfg.to_dict())
+        stack.callback(self.telemetry.close)
+        self.startup.mark("telemetry")
+        seed_everything(cfg.train.seed + ctx.rank)  # per-rank streams (dropout, ...); a resume restores them
+        self.registry = training_registry(self.model, self.optimizer, self.scheduler, self.loader,
+                                          self.progress, self._run_meta())
+        self.registry.register("telemetry", self.telemetry)
+        self.checkpointer = Checkpointer(self.checkpoint_root, cfg.checkpoint, self.registry, ctx.rank,
+                                         ctx.world_size)
+        stack.callback(self.checkpointer.close)
+        self.profiler = ProfilerWindow(cfg.train.profile_window(), self.output, ctx.rank)
+        stack.callback(self.profiler.close)
+        self.resumed_from = self._resume()
+
+    def __enter__(self) -> Trainer:
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        self.close()
+
+    def close(self) -> None:
+        """Close every part (profiler, checkpointer, telemetry, process group) and restore the settings."""
+        self.closed = True
+        self.parts.close()
+
+    def train(self) -> TrainSummary:
+        """Run the steps from the resumed one to the last, validate, summarise; then close the run.
+
+        Raises :class:`~traincore.run.preemption.Preempted` when a signal stopped the run at a step boundary,
+        after that step was saved on every rank.
+        """
+        if self.closed:
+            raise RuntimeError("this Trainer has finished and is closed: build a new Trainer to train again")
+        with self:
+            self.parts.enter_context(gc_paused())
+            # A peer that hangs surfaces as gloo's bare "Timed out waiting ...": say what timed out and why.
+            with explain_timeouts(self.cfg.dist, self.ctx.rank, lambda: self.progress.step):
+                self._run_steps()
+                val = validate(self.model, self.val_split, self.cfg.loader.eval_batch_size, self.ctx)
+            self.telemetry.log_eval(self.progress.step, val)
+            return self._summary(val["accuracy"])
+
+    def _workload(self, model: nn.Module) -> Workload:
+        """Steps, batch and FLOPs for telemetry; MFU is measured against the dtype the run computes in.
+        ``model`` is the bare model, before any wrapping or sharding."""
+        dtype = torch.bfloat16 if self.ctx.device.type == "cuda" and self.cfg.train.bf16 else torch.float32
+        flops = None
+        # Counted only where MFU is reported (rank 0, a device of known peak, e.g. not a CPU): a forward
+        # under FlopCounterMode is start-up time (0.1 s for the digits model here). On meta tensors: the
+        # weights are untouched.
+        if self.ctx.is_main and peak_flops(self.ctx.device, dtype):
+            flops = training_flops_per_sample(model, self.manifest.shape)
+        return Workload(total_steps=self.total_steps, global_batch_size=self.step_batch_size,
+                        flops_per_sample=flops, dtype=dtype)
+
+    def _warm_start(self, model: nn.Module) -> dict | None:
+        """Load model.init_from into the fresh ``model``, unless the run resumes from a checkpoint (which
+        holds the weights since); the run record of where the weights started, or None."""
+        cfg = self.cfg.model
+        if not cfg.init_from:
+            return None
+        if self.cfg.checkpoint.resume != "none" and complete_steps(self.checkpoint_root):
+            log.info("model.init_from %s is ignored: this run resumes from a checkpoint in %s",
+                     cfg.init_from, self.checkpoint_root)
+            return None
+        report = warm_start(model, cfg.init_from, cfg.init_exclude, cfg.init_strict)
+        return {"from": cfg.init_from, "sha256": report.sha256}
+
+    def _run_meta(self) -> dict:
+        """What a checkpoint records about the run beside the state: config, data shape, world size, and
+        the file its weights started from (model.init_from)."""
+        manifest = self.manifest
+        meta = {"config": self.cfg.to_dict(), "num_classes": manifest.num_classes,
+                "shape": list(manifest.shape), "classes": manifest.classes, "mean": manifest.mean,
+                "std": manifest.std, "source": manifest.source, "world_size": self.ctx.world_size}
+        return meta | ({"init": self.init_record} if self.init_record else {})
+
+    def _records(self) -> RecordsSync | None:
+        """Rank 0's copier of metrics.jsonl and the TensorBoard events into the checkpoint root's
+        ``records/attempt-<N>/`` (N: ``attempt``, else the next free number), when that root is durable
+        storage of its own rather than a directory inside the output."""
+        root = self.checkpoint_root
+        inside_output = root.local and root.path.resolve().is_relative_to(self.output.resolve())
+        if not self.ctx.is_main or inside_output:
+            return None
+        attempt = self.attempt if self.attempt is not None else next_attempt(root)
+        sources = {"metrics.jsonl": self.output / "metrics.jsonl", "tensorboard": self.output / "tensorboard"}
+        every_s = self.cfg.telemetry.records_every_s
+        return RecordsSync(attempt_records(root, attempt), every_s, sources).start()
+
+    def _committed_checkpoint(self) -> str:
+        """The newest checkpoint this run knows committed (loaded or saved), for the grace's last word."""
+        step = getattr(self, "checkpointer", None) and self.checkpointer.committed
+        if step is None:
+            return f"no committed checkpoint in {self.checkpoint_root} (a resume starts from the beginning)"
+        return f"the committed checkpoint step {step} in {self.checkpoint_root}"
+
+    def _resume(self) -> int | None:
+        """Restore the latest (or the requested) checkpoint, if any; returns its step.
+
+        Telemetry learns the step the run continues from (0 when fresh): metrics an earlier attempt logged
+        after it are dropped from metrics.jsonl and purged from TensorBoard, so each step appears once.
+        """
+        wanted = self.cfg.checkpoint.resume
+        resumed = None
+        if wanted != "none":
+            resumed = self.checkpointer.load(None if wanted == "latest" else int(wanted))
+        self.telemetry.resumed_at(resumed or 0)
+        accum = self.cfg.train.grad_accum_steps
+        log.info("training %s (%s parameters) on %s for %d steps, %d per epoch, global batch %d%s%s",
+                 self.cfg.model.name, f"{parameter_count(self.model):,}", self.ctx.device, self.total_steps,
+                 max(1, self.loader.steps_per_epoch // accum), self.step_batch_size,
+                 f" ({accum} accumulated batches of {self.loader.global_batch_size})" if accum > 1 else "",
+                 f", resumed from step {resumed} in {self.checkpoint_root}" if resumed else "")
+        self.startup.mark("checkpoint look-up")
+        return resumed
+
+    def _run_steps(self) -> None:
+        """The step loop proper, from the current (possibly resumed) step to the last."""
+        cfg, progress = self.cfg, self.progress
+        batches = endless(self.loader)
+        self.model.train()
+        first_step = progress.step + 1
+        while progress.step < self.total_steps:
+            with self.telemetry.data_wait():
+                micro_batches = [next(batches) for _ in range(cfg.train.grad_accum_steps)]
+            self.profiler.on_step(progress.step)
+            loss = train_step(self.model, self.optimizer, self.scheduler, micro_batches, cfg,
+                              before_update=self.checkpointer.wait_for_snapshot)
+            progress.step += 1
+            step, last = progress.step, progress.step == self.total_steps
+            self.telemetry.step_done(step, loss, self.scheduler.get_last_lr()[0])
+            if step == first_step:
+                tighten_timeout(cfg.dist)  # start-up is over: a hung peer should now fail fast
+                self.startup.mark("first step")
+                self.telemetry.log_startup(step, self.startup)
+                self.telemetry.log_state_bytes(step, *state_bytes(self.model, self.optimizer))
+            if step % cfg.train.gc_every == 0:
+                gc.collect()
+            if cfg.train.eval_every and step % cfg.train.eval_every == 0 and not last:
+                self.telemetry.log_eval(step, validate(self.model, self.val_split, cfg.loader.eval_batch_size,
+                                                       self.ctx))
+            agreed = self.preemption.agree(save_due=self.checkpointer.interval_elapsed())
+            saved = self.checkpointer.maybe_save(step, last_step=last, interval_due=agreed.save)
+            if not last and agreed.stop:
+                self._stop_preempted(step, saved)
+        self.preemption.finish()
+        self.checkpointer.wait()
+
+    def _stop_preempted(self, step: int, saved: bool) -> None:
+        """Every rank: save ``step`` unless just done, wait until it is committed, raise Preempted."""
+        checkpoint: str | None = step_store(self.checkpoint_root, step).uri
+        try:
+            if not saved:
+                self.checkpointer.save(step)
+            self.checkpointer.wait()
+        except CheckpointError as exc:  # e.g. a full disk: the last complete checkpoint stays the latest
+            log.error("preempted at step %d, but its checkpoint failed: %s", step, exc)
+            checkpoint = None
+        preempted = Preempted(step, self.preemption.signal_name or "a signal", checkpoint)
+        if self.ctx.is_main:
+            write_record(self.checkpoint_root, preempted)
+        raise preempted
+
+    def _summary(self, val_accuracy: float) -> TrainSummary:
+        """The run's summary from the telemetry totals (restored on resume, so they cover the whole run)."""
+        totals = self.telemetry.summary()
+        return TrainSummary(steps=self.progress.step, samples_per_s=totals["samples_per_s"],
+                            data_wait_share=totals["data_wait_share"], final_loss=totals["final_loss"],
+                            val_accuracy=val_accuracy, resumed_from=self.resumed_from,
+                            checkpoint_dir=str(self.checkpoint_root), output_dir=str(self.output),
+                            wall_s=totals["wall_s"], world_size=self.ctx.world_size,
+                            startup_s=dict(self.startup.phases),
+                            records=self.records.target.uri if self.records is not None else "")
+
+
+@contextmanager
+def deterministic_algorithms(enabled: bool) -> Iterator[None]:
+    """torch.use_deterministic_algorithms for the run only (it is process-wide): restored on exit."""
+    before = (torch.are_deterministic_algorithms_enabled(),
+              torch.is_deterministic_algorithms_warn_only_enabled())
+    if enabled:
+        torch.use_deterministic_algorithms(True, warn_only=True)
+    try:
+        yield
+    finally:
+        torch.use_deterministic_algorithms(before[0], warn_only=before[1])
+
+
+def training_loader(cfg: Config, data_dir: Path, ctx: DistContext) -> tuple[StagedLoader, StagedSplit]:
+    """This rank's resumable loader over the train split (autotuned when asked), and the val split."""
+    train_split, val_split = StagedSplit(data_dir, "train"), StagedSplit(data_dir, "val")
+    loader_cfg = cfg.loader
+    if loader_cfg.autotune:
+        loader_cfg = autotune(train_split, loader_cfg, rank=ctx.rank, world_size=ctx.world_size,
+                              seed=cfg.train.seed, device=ctx.device)
+    loader = StagedLoader(train_split, loader_cfg, rank=ctx.rank, world_size=ctx.world_size,
+                          seed=cfg.train.seed, device=ctx.device)
+    return loader, val_split
+
+
+def model_units(model: nn.Module, cfg: Config) -> list[nn.Module]:
+    """The blocks FSDP shards one by one (none under DDP)."""
+    return shard_units(model, cfg.model.name) if cfg.dist.parallelism == "fsdp" else []
+
+
+def optimizer_and_schedule(cfg: Config, model: nn.Module, steps: int) -> tuple[torch.optim.Optimizer, Any]:
+    """optim.name over the model's parameters and its warmup-cosine LR schedule over ``steps``."""
+    optim = cfg.optim
+    if optim.name == "sgd":
+        optimizer = torch.optim.SGD(model.parameters(), lr=optim.lr, momentum=optim.momentum,
+                                    nesterov=optim.nesterov, weight_decay=optim.weight_decay, foreach=True)
+    else:
+        optimizer = torch.optim.AdamW(model.parameters(), lr=optim.lr, betas=(optim.beta1, optim.beta2),
+                                      weight_decay=optim.weight_decay, foreach=True)
+    return optimizer, torch.optim.lr_scheduler.LambdaLR(optimizer, warmup_cosine(cfg, steps))
