@@ -11,6 +11,8 @@ import pytest
 from traincore.config.schema import DataConfig
 from traincore.data.staging import stage
 
+pytest_plugins = ["budget"]  # tests/budget.py: no test over 120 s; the run's wall time
+
 # 100 synthetic samples split 80/10/10; 32 per shard puts the train split in three shards (32, 32, 16),
 # so reads cross shard boundaries. Every image carries its own noise, so image bytes identify a sample.
 SYNTHETIC = DataConfig(source="synthetic", image_size=8, synthetic_samples=100, synthetic_classes=4,
