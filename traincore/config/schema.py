@@ -367,7 +367,8 @@ class TrainConfig:
     Validation reports the plain cross-entropy."""
     grad_accum_steps: int = 1
     """Batches (loader.batch_size per rank each) whose gradients add up to one optimizer step: the step
-    sees grad_accum_steps x the global batch, with one batch's activation memory."""
+    sees grad_accum_steps x the global batch, with one batch's activation memory. A step larger than the
+    training split is refused."""
 
     def __post_init__(self) -> None:
         _check_types(self, "train")

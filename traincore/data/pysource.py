@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import functools
 import logging
+from collections import Counter
 from collections.abc import Iterator
 from typing import Any, NamedTuple
 
@@ -48,7 +49,7 @@ class UserDataset(NamedTuple):
     classes: list[str] | None
 
 
-def reason(exc: BaseException) -> str:
+def _reason(exc: BaseException) -> str:
     """``Type: first line of its message``: what the user's code raised, on one line."""
     lines = str(exc).strip().splitlines()
     return f"{type(exc).__name__}: {lines[0]}" if lines else type(exc).__name__
@@ -63,7 +64,7 @@ def open_dataset(path: str) -> UserDataset:
     try:
         dataset = factory()
     except Exception as exc:  # the factory is the user's code
-        raise StagingError(f"{setting}: {path}() raised {reason(exc)}: fix the dataset factory") from exc
+        raise StagingError(f"{setting}: {path}() raised {_reason(exc)}: fix the dataset factory") from exc
     if not (hasattr(dataset, "__len__") and hasattr(dataset, "__getitem__")):
         raise StagingError(f"{setting}: {path}() returned a {type(dataset).__name__}, which is not a "
                            "map-style dataset (len() and dataset[i]): return one, e.g. a "
@@ -71,7 +72,7 @@ def open_dataset(path: str) -> UserDataset:
     try:
         count = len(dataset)  # an int >= 0, or TypeError / ValueError from len() itself
     except Exception as exc:
-        raise StagingError(f"{setting}: len() of the dataset failed ({reason(exc)}): make __len__ return "
+        raise StagingError(f"{setting}: len() of the dataset failed ({_reason(exc)}): make __len__ return "
                            "the number of items, an int") from exc
     if count == 0:
         raise StagingError(f"{setting}: {path}() returned an empty dataset: nothing to stage")
@@ -93,7 +94,7 @@ def _named_classes(classes: Any, setting: str) -> list[str] | None:
     for position, name in enumerate(classes):
         if not isinstance(name, str) or not name:
             raise StagingError(f"{where} holds {name!r} at position {position}, not a class name: {fix}")
-    duplicate = next((name for position, name in enumerate(classes) if name in classes[:position]), None)
+    duplicate = next((name for name, times in Counter(classes).items() if times > 1), None)
     if duplicate is not None:
         raise StagingError(f"{where} names {duplicate!r} twice: class names must be distinct; {fix}")
     if len(classes) < 2:
@@ -123,9 +124,9 @@ def _fetch(dataset: UserDataset, index: int, where: str) -> Any:
     try:
         item = dataset.items[index]
     except (IndexError, StopIteration) as exc:
-        raise StagingError(f"{where} raised {reason(exc)}: {short}") from exc
+        raise StagingError(f"{where} raised {_reason(exc)}: {short}") from exc
     except Exception as exc:  # the user's code: one line naming the item, not a traceback
-        raise StagingError(f"{where} raised {reason(exc)}: fix the dataset's __getitem__ for that index, "
+        raise StagingError(f"{where} raised {_reason(exc)}: fix the dataset's __getitem__ for that index, "
                            "or leave the item out of the dataset") from exc
     if item is None:
         raise StagingError(f"{where} is None, not (image, label); if the dataset ends early, {short}")
@@ -156,7 +157,7 @@ def _pixels(image: Any, where: str, size: int, channels: int) -> np.ndarray:
         raise
     except (OSError, ValueError) as exc:  # a mode Pillow cannot convert, a lazily opened file that fails
         raise StagingError(f"{where} has a PIL image (mode {image.mode}) that cannot be converted to {mode} "
-                           f"({reason(exc)}): return it as RGB or L") from exc
+                           f"({_reason(exc)}): return it as RGB or L") from exc
     return fit(converted, size, channels)
 
 

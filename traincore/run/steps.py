@@ -39,14 +39,14 @@ def total_steps(cfg: Config, steps_per_epoch: int) -> int:
     return cfg.train.max_steps or cfg.train.epochs * steps_per_epoch // accum
 
 
-def check_step_fits_epoch(cfg: Config, train_count: int, data: str) -> None:
+def check_step_fits_epoch(cfg: Config, train_count: int, data: str, world_size: int | None = None) -> None:
     """ConfigError unless the samples of one optimizer step, loader.batch_size x train.grad_accum_steps x
-    the world size (torchrun's WORLD_SIZE, else 1: a launcher's workers check their own world again in
-    :func:`total_steps`), fit in the ``train_count`` training samples of ``data``.
+    the world size (``world_size``, else torchrun's WORLD_SIZE, else 1; workers check their own world
+    again in :func:`total_steps`), fit in the ``train_count`` training samples of ``data``.
 
     A larger step would read the training split several times over within one step, and ``train.epochs``
     would count steps, not passes over the data."""
-    world = launch_env()[1]
+    world = world_size or launch_env()[1]
     batch = cfg.loader.batch_size * world
     batches = epoch_batches(train_count, batch, cfg.loader.drop_last)
     if cfg.train.grad_accum_steps > batches:

@@ -67,7 +67,8 @@ MODULE = '''
             super().__init__(classes=None)
             if classes is not None:
                 self.classes = classes
-            self.labels, self.items, self.raises, self.length = dict(labels), dict(items), dict(raises), length
+            self.labels, self.items, self.raises = dict(labels), dict(items), dict(raises)
+            self.length = length
 
         def __len__(self):
             return self.n if self.length is None else self.length
@@ -221,8 +222,9 @@ CLASSES_FIX = "give the dataset a classes attribute naming its classes .labels i
     ("empty", "returned an empty dataset"),
     ("absent", "module shades has no absent"),
     # Labels: a class index, not a stray number that would stage 100,001 classes.
-    ("stray", "item 7 has the label 100000, but the dataset has 90 items and no classes attribute: its classes "
-              "would be the label numbers 0..100000, most of them without a single item; " + CLASSES_FIX),
+    ("stray", "item 7 has the label 100000, but the dataset has 90 items and no classes attribute: its "
+              "classes would be the label numbers 0..100000, most of them without a single item; "
+              + CLASSES_FIX),
     ("sparse", "item 12 has the label 50, and only 4 of the labels 0..70 occur: without a classes attribute "
                "the labels name the classes and must be 0..K-1 for K >= 2 classes; " + CLASSES_FIX),
     ("one_label", "item 0 has the label 0, and every item has it"),
@@ -245,11 +247,12 @@ CLASSES_FIX = "give the dataset a classes attribute naming its classes .labels i
                        "names"),
     ("numbered_classes", "the dataset's classes attribute holds 0 at position 0, not a class name"),
     ("twice_named", "the dataset's classes attribute names 'dark' twice: class names must be distinct"),
-    ("one_class", "the dataset's classes attribute names 1 class.es. .'dark'.: classification needs at least two"),
+    ("one_class", "the dataset's classes attribute names 1 class.es. .'dark'.: classification needs at least "
+                  "two"),
     # Images that cannot be staged.
     ("empty_image", r"item 20 has an empty image \(5x0 pixels\)"),
-    ("channels_first", r"item 20 has an image array of dtype uint8 and shape \(3, 10, 12\) \(channels first\? "
-                       r"transpose it to HxWxC\)"),
+    ("channels_first", r"item 20 has an image array of dtype uint8 and shape \(3, 10, 12\) \(channels "
+                       r"first\? transpose it to HxWxC\)"),
     ("unconvertible", r"item 20 has a PIL image \(mode La\) that cannot be converted to RGB \(ValueError: "),
 ])
 def test_a_dataset_that_is_not_one_is_refused_by_name(shades, tmp_path, factory, message):

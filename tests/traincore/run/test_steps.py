@@ -41,7 +41,8 @@ def test_total_steps_from_epochs_or_max_steps():
 def _accumulating(accum: int, batch_size: int = 64, **train) -> Config:
     """Batches of ``batch_size``, ``accum`` to a step, for 1 epoch unless ``train`` says otherwise."""
     length = {"epochs": 1, "max_steps": 0} | train
-    return Config(loader=LoaderConfig(batch_size=batch_size), train=TrainConfig(grad_accum_steps=accum, **length))
+    return Config(loader=LoaderConfig(batch_size=batch_size),
+                  train=TrainConfig(grad_accum_steps=accum, **length))
 
 
 @pytest.mark.parametrize("train", [{}, {"max_steps": 3, "epochs": 0}])
@@ -67,6 +68,8 @@ def test_the_samples_of_one_step_must_fit_the_training_split(monkeypatch, synthe
     with pytest.raises(ConfigError, match=r"3 x loader.batch_size=8 x 4 process\(es\) = 96 samples .* 2,"):
         check_step_fits_epoch(_accumulating(3, batch_size=8), 80, "data")
     monkeypatch.delenv("WORLD_SIZE")
+    with pytest.raises(ConfigError, match=r"x 4 process\(es\) = 96 samples"):  # a launcher's worker count
+        check_step_fits_epoch(_accumulating(3, batch_size=8), 80, "data", world_size=4)
     # Preflight refuses it before any worker starts (synthetic_dir: 80 training samples).
     cfg = debug().with_overrides({"loader.batch_size": 64, "train.grad_accum_steps": 22})
     with pytest.raises(ConfigError, match=f"= 1408 samples per optimizer step exceed the 80 training samples "
