@@ -53,7 +53,7 @@ def _timed_steps(watched: bool, steps: int) -> float:
                                                                   (1, 32, 32), seed=0))
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
     x, y = torch.randn(64, 1, 32, 32), torch.randint(0, 10, (64,))
-    watch = PreemptionWatch(grace_s=30.0, world_size=2) if watched else None
+    watch = PreemptionWatch(grace_s=20.0, world_size=2, main=dist.get_rank() == 0) if watched else None
     try:
         for step in range(steps + 10):
             if step == 10:  # after warm-up

@@ -116,6 +116,18 @@ def stop_preempted(preempted: Preempted | str, checkpoint_root: str, secret_grou
     raise SystemExit(PREEMPTED_EXIT_CODE)
 
 
+def stop_if_preempted(checkpoint_root: str, secret_group: str, signal_name: str | None) -> None:
+    """End the attempt as preempted (:func:`stop_preempted`) when it was: its workers left the record of the
+    step they saved in the checkpoint root, or ``signal_name`` names the signal that stopped them before they
+    committed one (while they started, or a save that outlasted the grace). Returns when neither says so.
+
+    The one place a train task, elastic or Slurm, reads the record: the record names the step saved, so it
+    wins over the signal."""
+    preempted = read_record(checkpoint_store(checkpoint_root, secret_group)) or signal_name
+    if preempted is not None:
+        stop_preempted(preempted, checkpoint_root, secret_group)
+
+
 def agent_signal(error: BaseException) -> str | None:
     """The signal that stopped the elastic agent, when ``error`` is the plugin's IgnoreOutputs for it (raised
     while it handles torch elastic's SignalException); None for any other error, e.g. the IgnoreOutputs of
@@ -214,7 +226,8 @@ class ElasticTrainTask(TopologyTaskMixin, PytorchElasticFunctionTask):
         os.environ[STORE_SECRET_ENV] = self.topology.store_secret  # for the workers, which inherit it
         store = checkpoint_store(root, self.topology.store_secret)
         preflight(kwargs["config"], local_directory(kwargs["dataset"].directory),
-                  Path(flytekit.current_context().working_directory) / "run", store)
+                  Path(flytekit.current_context().working_directory) / "run", store,
+                  world_size=self.topology.nnodes * self.topology.nproc_per_node)
         try:
             return self._train(**kwargs)
         except (IgnoreOutputs, FlyteRecoverableException) as exc:
@@ -222,10 +235,8 @@ class ElasticTrainTask(TopologyTaskMixin, PytorchElasticFunctionTask):
             # IgnoreOutputs when the signal reached this process too (its agent stopped the workers),
             # or shows the workers' exit codes: the record says what happened instead. A signal that
             # came while the workers were starting left no record, and nothing new to save.
-            preempted = read_record(store) or agent_signal(exc)
-            if preempted is None:
-                raise
-            stop_preempted(preempted, root, self.topology.store_secret)
+            stop_if_preempted(root, self.topology.store_secret, agent_signal(exc))
+            raise
         finally:
             os.environ.pop(STORE_SECRET_ENV, None)
 

@@ -45,15 +45,21 @@ from rich.markup import escape
 
 from tasks.plan import LaunchInputError
 from tasks.slurm.client import NodeSize, SlurmClient
-from tasks.slurm.job import NodeRequest, batch_script, node_request, sbatch_args
+from tasks.slurm.job import (
+    SIGNAL_MARGIN_S,
+    NodeRequest,
+    batch_script,
+    node_request,
+    sbatch_args,
+    time_limit_s,
+    warning_lead_s,
+)
 from tasks.slurm.report import JobEnd, failure_message, headline, success_message
 from tasks.slurm.ssh import SlurmConnectionError, SlurmTarget
 from tasks.slurm.states import JobInfo, Outcome, SlurmError
-from tasks.storage import checkpoint_store
-from tasks.train import TopologyTaskMixin, stop_preempted, task_settings, train_function
+from tasks.train import TopologyTaskMixin, stop_if_preempted, task_settings, train_function
 from tasks.types import Topology
 from traincore.config import Config
-from traincore.run import read_record
 
 SLURM_TASK_TYPE = "slurm_train"
 JOBS_DIR = ".flyte-torch-pipeline/slurm-jobs"  # on the login node, relative to the user's home
@@ -132,21 +138,40 @@ async def check_cluster(client: SlurmClient, topology: Topology, request: NodeRe
     check_node_size(await client.node_sizes(slurm.partition or None), topology, request)
 
 
+def check_time_limit(topology: Topology, grace_s: float) -> None:
+    """The job's time limit outlasts the warning signal's lead (:func:`~tasks.slurm.job.warning_lead_s`),
+    or a LaunchInputError naming both inputs and the fix: a job signalled as it starts would save and stop
+    at once, on every retry."""
+    limit, lead = time_limit_s(topology.slurm.time_limit), warning_lead_s(grace_s)
+    if limit is None or limit > lead:
+        return
+    raise LaunchInputError(
+        f"input slurm_time_limit={topology.slurm.time_limit!r} ({limit} s) is not longer than the warning "
+        f"signal's lead of {lead} s (checkpoint.preemption_grace_s={grace_s:g}, rounded up, plus "
+        f"{SIGNAL_MARGIN_S} s for the agents' shutdown): Slurm would signal the job to save and stop as soon "
+        "as it starts. Raise slurm_time_limit, or lower checkpoint.preemption_grace_s")
+
+
 def check_node_size(sizes: list[NodeSize], topology: Topology, request: NodeRequest) -> None:
-    """Some node of the partition (``sizes``, largest first) has the CPUs and memory each node's task asks
-    for, or a LaunchInputError naming the request, where it comes from, the largest node and the fix."""
+    """Some node of the partition (``sizes``) has what each node's task asks for, or a LaunchInputError
+    naming the request, where it comes from, the largest node and the fix. Only what is asked is checked and
+    named: CPUs or memory that the user's own sbatch flags size (0 in ``request``) are theirs to fit."""
+    asked = [name for name, value in (("cpus", request.cpus), ("mem_mb", request.mem_mib)) if value]
     if not sizes or any(size.cpus >= request.cpus and size.mem_mb >= request.mem_mib for size in sizes):
         return
-    slurm, largest = topology.slurm, sizes[0]
+    slurm = topology.slurm
+    largest = max(sizes, key=lambda size: [getattr(size, name) for name in asked])
+    wants = {"cpus": f"{request.cpus} CPUs", "mem_mb": f"{request.mem_mib} MB of memory"}
+    has = {"cpus": f"{largest.cpus} CPUs", "mem_mb": f"{largest.mem_mb} MB"}
+    flags = {"cpus": f"--cpus-per-task={largest.cpus}", "mem_mb": f"--mem={largest.mem_mb}M"}
     where = f"partition {slurm.partition!r}" if slurm.partition else "the default partition"
     nproc = topology.nproc_per_node
     raise LaunchInputError(
-        f"input nproc_per_node={nproc}: each node's task asks for {request.cpus} CPUs and "
-        f"{request.mem_mib} MB of memory ({nproc} process(es) x the train task's per-process requests), "
-        f"but no node of {where} on {slurm.target} has that: the largest, {largest.name}, has "
-        f"{largest.cpus} CPUs and {largest.mem_mb} MB. Lower nproc_per_node, choose another "
-        "slurm_partition, or size the job yourself in slurm_sbatch_flags, e.g. "
-        f"'--cpus-per-task={largest.cpus} --mem={largest.mem_mb}M'")
+        f"input nproc_per_node={nproc}: each node's task asks for {' and '.join(wants[n] for n in asked)} "
+        f"({nproc} process(es) x the train task's per-process requests), but no node of {where} on "
+        f"{slurm.target} has that: the largest, {largest.name}, has {' and '.join(has[n] for n in asked)}. "
+        "Lower nproc_per_node, choose another slurm_partition, or size the job yourself in "
+        f"slurm_sbatch_flags, e.g. '{' '.join(flags[n] for n in asked)}'")
 
 
 class SlurmTrainConnector(AsyncConnectorBase):
@@ -188,6 +213,7 @@ class SlurmTrainConnector(AsyncConnectorBase):
         entrypoint = list(render_task_template(task_template, output_prefix).container.args)
         job_dir = f"{JOBS_DIR}/{output_prefix.rstrip('/').rsplit('/', 1)[-1] or 'job'}"
         request = template_request(task_template).without(topology.slurm.sbatch_flags)
+        check_time_limit(topology, config.checkpoint.preemption_grace_s)
         try:
             await check_cluster(await self._client(target), topology, request)
         except SlurmConnectionError as exc:
@@ -315,9 +341,7 @@ class SlurmTrainTask(TopologyTaskMixin, AsyncConnectorExecutorMixin, PythonFunct
             if end is None:  # not the job's verdict (flytekit's own error): as it is
                 raise
             if end.preempted_by:  # saved what it reached: as the elastic task ends a preempted attempt
-                root = kwargs["checkpoint_root"]
-                stop_preempted(read_record(checkpoint_store(root, self.topology.store_secret))
-                               or end.preempted_by, root, self.topology.store_secret)
+                stop_if_preempted(kwargs["checkpoint_root"], self.topology.store_secret, end.preempted_by)
             if end.outcome is Outcome.RETRYABLE:  # timed out, node or worker lost: retries apply
                 raise FlyteRecoverableException(end.message) from None
             raise FlyteUserException(end.message) from None

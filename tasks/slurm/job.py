@@ -50,6 +50,23 @@ def warning_lead_s(grace_s: float) -> int:
     return math.ceil(grace_s) + SIGNAL_MARGIN_S
 
 
+_TIME_LIMIT = re.compile(r"^(?:(\d+)-)?(\d+)(?::(\d+))?(?::(\d+))?$")
+
+
+def time_limit_s(text: str) -> int | None:
+    """Seconds of a Slurm time limit (sbatch ``--time``: M, M:S, H:M:S, D-H, D-H:M or D-H:M:S); None when it
+    is empty, unlimited or of another form (sbatch has the last word on those)."""
+    match = _TIME_LIMIT.match(text.strip())
+    if not match:
+        return None
+    days, first, second, third = (int(group) if group else None for group in match.groups())
+    if days is not None:
+        return ((days * 24 + first) * 60 + (second or 0)) * 60 + (third or 0)
+    if third is not None:
+        return (first * 60 + second) * 60 + third
+    return first * 60 + (second or 0)
+
+
 @dataclass(frozen=True)
 class NodeRequest:
     """What the job asks of each node: CPUs, memory and GPUs. One Slurm task runs per node, so these are

@@ -118,36 +118,47 @@ def test_ctrl_c_on_the_clis_own_workers_saves_the_step_without_a_traceback(fault
     assert all(torch.equal(final[name], uninterrupted[name]) for name in uninterrupted)
 
 
-def test_a_save_that_outlasts_the_grace_is_abandoned_and_the_last_complete_checkpoint_loads(
+def test_a_save_that_outlasts_the_grace_is_abandoned_the_records_are_kept_and_the_last_complete_loads(
         fault_data, tmp_path):
-    # A model whose state takes far longer to write than the grace allows: ~50 MB, a 50 ms grace.
-    config = {**TINY, "model": {"name": "mlp", "width": 2048},
-              "checkpoint": {"preemption_grace_s": 0.05}}
-    output = tmp_path / "run"
+    # A model whose state takes far longer to write than the grace allows: ~50 MB, a 50 ms grace. Two
+    # workers, signalled through their launcher as torchrun's are. The checkpoint root is storage of its own
+    # (not inside the output), so the run keeps its records there, here only by the copy made when it ends.
+    config = {**TINY, "model": {"name": "mlp", "width": 2048}, "checkpoint": {"preemption_grace_s": 0.05},
+              "telemetry": {**TINY["telemetry"], "tensorboard": True, "records_every_s": 0}}
+    output, root = tmp_path / "run", tmp_path / "root"
 
     def cli(steps: int) -> list[str]:
         return [sys.executable, "-m", "traincore.train", *train_args(
-            fault_data, output, "--max-steps", str(steps), "--checkpoint-every", "20", config=config)]
+            fault_data, output, "--max-steps", str(steps), "--checkpoint-every", "20", "--checkpoint-dir",
+            str(root), "--nproc-per-node", "2", config=config)]
 
     process = start(cli(4000), tmp_path / "log")
     # Past the first checkpoint (a step's row is logged after the previous step's save returned), so the
-    # signal lands in a step or in a save, and 50 ms later the process is gone wherever it was.
+    # signal lands in a step or in a save, and 50 ms later the workers are gone wherever they were.
     wait_for(lambda: any(row["step"] > 20 for row in metric_rows(output)) or process.poll() is not None,
              120, "a step after the first checkpoint")
+    logged = metric_rows(output)
     process.send_signal(signal.SIGTERM)
     assert process.wait(timeout=30) == PREEMPTED_EXIT_CODE
     log = (tmp_path / "log").read_text()
-    assert "did not finish within checkpoint.preemption_grace_s=0.05" in log, log[-3000:]
-    assert not (output / "checkpoints" / RECORD_FILE).exists()
-    complete = complete_steps(output / "checkpoints")
+    assert log.count("did not finish within checkpoint.preemption_grace_s=0.05") == 1, log[-3000:]
+    assert not (root / RECORD_FILE).exists()
+    complete = complete_steps(root)
     assert complete and complete[0] == 20, complete
     # Whatever was being written when the grace ran out has no marker: a torn save, never loaded.
-    newer = [p for p in (output / "checkpoints").iterdir() if (parse_step_name(p.name) or 0) > complete[-1]]
+    newer = [p for p in root.iterdir() if (parse_step_name(p.name) or 0) > complete[-1]]
     assert all(is_torn(p) for p in newer), newer
-    verify_checkpoint(step_dir(output / "checkpoints", complete[-1]))
+    verify_checkpoint(step_dir(root, complete[-1]))
     named = re.search(r"exiting: the committed checkpoint step (\d+) in (\S+) stays the one a resume loads",
                       log)
-    assert named and int(named[1]) in complete and named[2] == str(output / "checkpoints"), log[-3000:]
+    assert named and int(named[1]) in complete and named[2] == str(root), log[-3000:]
+    # The records outlive the attempt: every row logged before the signal, and the events, in the root.
+    records = root / "records" / "attempt-0"
+    kept = metric_rows(records)
+    assert len(kept) >= len(logged) and kept == metric_rows(output)[:len(kept)]
+    (events,) = (output / "tensorboard").iterdir()
+    copied = (records / "tensorboard" / events.name).read_bytes()
+    assert copied and events.read_bytes().startswith(copied)
 
     resumed = run(cli(complete[-1] + 2))
     assert resumed.returncode == 0, resumed.stderr[-3000:]

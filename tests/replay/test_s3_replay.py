@@ -1,21 +1,35 @@
 """The replayed workflow on a real S3 API (a local moto server): store, raw data and checkpoints on s3://.
 
-A 2-pod PyTorchJob (backend=kubernetes, nnodes=2, parallelism=fsdp, async checkpoints, max_restarts=1):
-the fast registration's code tarball, every node's inputs/outputs, the staged dataset, the checkpoints
-(every rank writes its own shards straight into the store; rank 0 commits each step with its marker), the
-exported model and the evaluation all go through s3:// URIs on the server; the pods reach it only through
-the FLYTE_AWS_* settings a platform injects. Then the same checkpoint root resumes twice from a step
-before the end: in Flyte's retry of the train node (attempt 1, new pods, same inputs.pb), and in a new
-execution on one pod of two processes. The retry ends with bitwise the weights of the uninterrupted run (the
-same world size and pods, deterministic CPU training of the example team package's model, examples/teamnet,
-which fast registration ships with the code); the
-one-pod execution, whose processes run one torch thread each, ends within float rounding of them.
+A 2-pod PyTorchJob (backend=kubernetes, nnodes=2, parallelism=fsdp, async checkpoints, max_restarts=1),
+run once for the module (the ``two_pods`` fixture): the fast registration's code tarball, every node's
+inputs/outputs, the staged dataset, the checkpoints (every rank writes its own shards straight into the
+store; rank 0 commits each step with its marker), the exported model and the evaluation all go through
+s3:// URIs on the server; the pods reach it only through the FLYTE_AWS_* settings a platform injects. The
+fixture keeps an untouched copy of its checkpoint root in the bucket. Then each test resumes a root of that
+run from a step before the end (its last step dropped, as if the attempt died before committing it):
+
+- Flyte's retry of the train node (attempt 1, new pods, same inputs.pb, so the run's own root, first put
+  back as the run left it): bitwise the weights of the uninterrupted run (the same world size and pods,
+  deterministic CPU training of the example team package's model, examples/teamnet, which fast
+  registration ships with the code);
+- a new execution on one pod of two processes, from its own copy of the root: its processes run one torch
+  thread each, and it ends within float rounding of the uninterrupted run;
+- a new execution on one pod of one process with a restart budget (max_restarts=1), from its own copy: the
+  pod's environment has no OMP_NUM_THREADS, so its one elastic worker runs at torch's default thread count
+  (every core), the worker that once hung when it was forked from the task's process; it trains to the end
+  on a world of one, from the checkpoint two ranks wrote.
+
+The tests share only the fixture's run; each leaves the others' roots and work directories alone, so any
+one of them runs alone (the first one to run pays for the fixture). Under ``make test`` (pytest-xdist) the
+replay tests are one group, on one worker (tests/conftest.py), so the 2-pod run happens once.
 """
 
 from __future__ import annotations
 
 import json
 import uuid
+from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -25,6 +39,8 @@ from traincore.checkpoint import Store, complete_steps, read_marker, step_store
 from traincore.checkpoint.format import read_checkpoint
 from traincore.checkpoint.prune import remove_step
 
+pytestmark = pytest.mark.slow
+
 MAX_STEPS, EVERY = 60, 20
 TRAIN_NODE = "n2-0-dn0"  # the train task inside the @dynamic train_on_backend node
 # The example team package's model (examples/teamnet), which fast registration ships with the code.
@@ -32,6 +48,7 @@ MODEL = {"name": "examples.teamnet.models:resnet_tiny", "kwargs": {"width": 16, 
 CONFIG = json.dumps({"model": MODEL, "loader": {"batch_size": 8}, "optim": {"lr": 0.01},
                      "checkpoint": {"every": EVERY, "mode": "async"}, "telemetry": {"tensorboard": False}})
 TWO_PODS = ("backend=kubernetes", "nnodes=2", "nproc_per_node=1", "max_restarts=1", "parallelism=fsdp")
+SECRET_NAME = "FLYTE_AWS_SECRET_ACCESS_KEY"
 
 
 def weights(root: Store, step: int) -> dict[str, torch.Tensor]:
@@ -45,6 +62,11 @@ def bitwise_equal(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> boo
     return a.keys() == b.keys() and all(torch.equal(a[name], b[name]) for name in a)
 
 
+def resumed(train: dict) -> tuple[int | None, int, int]:
+    """(resumed_from, steps, world_size) of a train node's summary."""
+    return train["resumed_from"], train["steps"], train["world_size"]
+
+
 def drop_last_step(root: Store) -> int:
     """The last attempt "died" before its last checkpoint: remove it (marker first, as a prune does); the
     step a resume now starts from."""
@@ -52,20 +74,77 @@ def drop_last_step(root: Store) -> int:
     return complete_steps(root)[-1]
 
 
-@pytest.mark.slow
-def test_two_pods_checkpoint_into_s3_and_the_root_resumes_bitwise_on_two_pods_and_on_one(fast_package,
-                                                                                        s3_server, tmp_path):
-    s3, store = s3_server, f"s3://{s3_server.bucket}/store"
+def copy_objects(s3, source: str, target: str) -> None:
+    """Every object under the key prefix ``source`` to the same key under ``target`` (the bucket's own
+    copies: no byte passes through this process)."""
+    client = s3.client()
+    for key in s3.keys(f"{source}/"):
+        client.copy_object(Bucket=s3.bucket, Key=f"{target}{key[len(source):]}",
+                           CopySource={"Bucket": s3.bucket, "Key": key})
+
+
+def bucket_store(s3, prefix: str) -> Store:
+    """The objects under the key prefix ``prefix`` as a checkpoint root."""
+    return Store(f"s3://{s3.bucket}/{prefix}", s3.storage_options)
+
+
+def root_copy(run: SimpleNamespace) -> tuple[str, Store]:
+    """A fresh copy of the run's checkpoint root as the run left it: its key prefix and its Store."""
+    prefix = f"checkpoints/copy-{uuid.uuid4().hex[:8]}"
+    copy_objects(run.s3, run.pristine, prefix)
+    return prefix, bucket_store(run.s3, prefix)
+
+
+def assert_no_secret(s3, workdir: Path, prefix: str) -> None:
+    """The pods got the store's credentials from the environment only: no file a replay left in
+    ``workdir`` holds them, and no object of the checkpoint root under ``prefix``."""
+    secret = s3.env[SECRET_NAME].encode()
+    holding = [path for path in workdir.rglob("*") if path.is_file() and secret in path.read_bytes()]
+    assert not holding, holding
+    client = s3.client()
+    assert not [key for key in s3.keys(f"{prefix}/")
+                if secret in client.get_object(Bucket=s3.bucket, Key=key)["Body"].read()]
+
+
+def resumed_execution(run: SimpleNamespace, workdir: Path, *topology: str) -> SimpleNamespace:
+    """A new execution on ``topology`` (its own store) from a copy of the run's root, its last step
+    dropped: the step it resumes from (``latest``), the copy (``root``), the replay's summary and the train
+    node's (``train``)."""
+    prefix, root = root_copy(run)
+    latest = drop_last_step(root)
+    code, output, summary = run_replay(
+        run.package, workdir, *topology, "parallelism=fsdp", f"max_steps={MAX_STEPS}",
+        f"config_overrides={CONFIG}", f"checkpoint_uri={root}",
+        options=("--store", f"s3://{run.s3.bucket}/store-{workdir.name}"), env=run.s3.env)
+    assert code == 0, output[-6000:]
+    assert_no_secret(run.s3, workdir, prefix)
+    return SimpleNamespace(latest=latest, root=root, summary=summary,
+                           train=summary["node_outputs"][TRAIN_NODE]["o0"]["summary"])
+
+
+@pytest.fixture(scope="module")
+def two_pods(fast_package, s3_server, tmp_path_factory) -> SimpleNamespace:
+    """The 2-pod run into the bucket, uninterrupted, and an untouched copy of its checkpoint root (key
+    prefix ``pristine``): the tests resume copies of it, the retry the root itself."""
+    s3, workdir = s3_server, tmp_path_factory.mktemp("s3-replay") / "run"
     ckpt = f"checkpoints/run-{uuid.uuid4().hex[:8]}"
-    root = Store(f"s3://{s3.bucket}/{ckpt}", s3.storage_options)
-    workdir = tmp_path / "run"
+    root = bucket_store(s3, ckpt)
+    store = f"s3://{s3.bucket}/store"
     code, output, summary = run_replay(
         fast_package, workdir, *TWO_PODS, f"max_steps={MAX_STEPS}", f"config_overrides={CONFIG}",
         f"checkpoint_uri={root}", options=("--store", store), env=s3.env)
     assert code == 0, output[-6000:]
+    pristine = f"checkpoints/pristine-{uuid.uuid4().hex[:8]}"
+    copy_objects(s3, ckpt, pristine)
+    return SimpleNamespace(package=fast_package, s3=s3, store=store, workdir=workdir, summary=summary,
+                           ckpt=ckpt, root=root, pristine=pristine,
+                           final=weights(bucket_store(s3, pristine), MAX_STEPS))
+
+
+def test_two_pods_checkpoint_into_s3_every_rank_its_own_shards(two_pods):
+    s3, summary = two_pods.s3, two_pods.summary
     train = summary["node_outputs"][TRAIN_NODE]["o0"]
-    assert (train["summary"]["steps"], train["summary"]["resumed_from"]) == (MAX_STEPS, None)
-    assert train["summary"]["world_size"] == 2
+    assert resumed(train["summary"]) == (None, MAX_STEPS, 2)
     # Every artifact lives in the bucket and the outputs point there, not to a pod's disk.
     keys = s3.keys("store/")
     assert any(k.startswith("store/fast/replay/fast") and k.endswith(".tar.gz") for k in keys)
@@ -74,8 +153,10 @@ def test_two_pods_checkpoint_into_s3_and_the_root_resumes_bitwise_on_two_pods_an
     assert any(k.startswith("store/raw/") and k.endswith("/manifest.json") for k in keys)  # staged data
     assert any(k.startswith("store/raw/") and k.endswith("/model.safetensors") for k in keys)  # export
     assert summary["outputs"]["model"]["directory"]["path"].startswith(f"s3://{s3.bucket}/store/raw/")
-    assert train["checkpoints"]["path"].startswith(root.uri)
+    assert train["checkpoints"]["path"].startswith(two_pods.root.uri)
     assert summary["outputs"]["report"]["result"]["accuracy"] > 0.2
+    # The root as the run left it (the retry test resumes in the root itself).
+    root = bucket_store(s3, two_pods.pristine)
     steps = complete_steps(root)
     assert steps[-1] == MAX_STEPS and set(steps) <= set(range(EVERY, MAX_STEPS + 1, EVERY)), steps
     for step in steps:  # one shard file per rank, written by that rank, and a marker listing them
@@ -83,48 +164,60 @@ def test_two_pods_checkpoint_into_s3_and_the_root_resumes_bitwise_on_two_pods_an
         shards = {name: entry["rank"] for name, entry in files.items() if name.endswith(".distcp")}
         assert shards == {"__0_0.distcp": 0, "__1_0.distcp": 1}, files
         assert read_marker(step_store(root, step))["mode"] == "async"
-    final = weights(root, MAX_STEPS)
+    pods = sorted(two_pods.workdir.glob(f"pods/{summary['execution']}-{TRAIN_NODE}-0-worker-*"))
+    assert len(pods) == 2 and SECRET_NAME in json.loads((pods[0] / "pod.json").read_text())["platform_env"]
+    assert_no_secret(s3, two_pods.workdir, two_pods.pristine)
 
-    # Flyte's retry of the train node: attempt 1, new pods, the same root.
+
+def test_flyte_retry_of_the_train_node_resumes_the_root_bitwise(two_pods, tmp_path):
+    s3, root, execution = two_pods.s3, two_pods.root, two_pods.summary["execution"]
+    # The retry's inputs.pb names the run's own root: put it back as the run left it first.
+    client = s3.client()
+    for key in s3.keys(f"{two_pods.ckpt}/"):
+        client.delete_object(Bucket=s3.bucket, Key=key)
+    copy_objects(s3, two_pods.pristine, two_pods.ckpt)
     latest = drop_last_step(root)
+    workdir = tmp_path / "retry"
     code, output, retry = run_replay(
-        fast_package, workdir, module="replay.retry", env=s3.env,
-        options=("--store", store, "--execution", summary["execution"], "--node", TRAIN_NODE))
+        two_pods.package, workdir, module="replay.retry", env=s3.env,
+        options=("--store", two_pods.store, "--execution", execution, "--node", TRAIN_NODE))
     assert code == 0, output[-6000:]
-    result = retry["outputs"]["o0"]["summary"]
-    assert (result["resumed_from"], result["steps"], result["world_size"]) == (latest, MAX_STEPS, 2)
+    assert resumed(retry["outputs"]["o0"]["summary"]) == (latest, MAX_STEPS, 2)
     assert any(k.endswith(f"/{TRAIN_NODE}/data/1/outputs.pb") for k in s3.keys("store/"))
-    pods = sorted(workdir.glob(f"pods/{summary['execution']}-{TRAIN_NODE}-1-worker-*"))
+    pods = sorted(workdir.glob(f"pods/{execution}-{TRAIN_NODE}-1-worker-*"))
     started = json.loads((pods[0] / "pod.json").read_text())
     assert len(pods) == 2 and started["env"]["FLYTE_ATTEMPT_NUMBER"] == "1"
     logs = "".join((pod / "log.txt").read_text(errors="replace") for pod in pods)  # rank 0 says it
     assert f"resumed from step {latest}" in logs
-    assert bitwise_equal(weights(root, MAX_STEPS), final)
+    assert bitwise_equal(weights(root, MAX_STEPS), two_pods.final)
+    assert SECRET_NAME in started["platform_env"]
+    assert_no_secret(s3, workdir, two_pods.ckpt)
 
-    # A new execution on one pod of two processes resumes from the same root.
-    latest = drop_last_step(root)
-    start = weights(root, latest)
-    code, output, again = run_replay(
-        fast_package, tmp_path / "one-pod", "nnodes=1", "nproc_per_node=2", "parallelism=fsdp",
-        f"max_steps={MAX_STEPS}", f"config_overrides={CONFIG}", f"checkpoint_uri={root}",
-        options=("--store", f"{store}-one-pod"), env=s3.env)
-    assert code == 0, output[-6000:]
-    result = again["node_outputs"][TRAIN_NODE]["o0"]["summary"]
-    assert (result["resumed_from"], result["steps"], result["world_size"]) == (latest, MAX_STEPS, 2)
+
+def test_one_pod_of_two_processes_resumes_a_copy_of_the_root(two_pods, tmp_path):
+    run = resumed_execution(two_pods, tmp_path / "one-pod", "nnodes=1", "nproc_per_node=2")
+    assert resumed(run.train) == (run.latest, MAX_STEPS, 2)
     # The same world size, but two processes share one pod's cores (one torch thread each, where each pod
     # of the job ran two): CPU kernels round differently in the last bits, and twenty steps carry that on.
     # The run still took the uninterrupted one's path from step `latest`: where it ends is far closer to
     # where that run ended than either is to where both started.
-    resumed = weights(root, MAX_STEPS)
+    start, end, final = weights(run.root, run.latest), weights(run.root, MAX_STEPS), two_pods.final
     for name, tensor in final.items():
         if tensor.is_floating_point():
             moved = (tensor - start[name]).abs().sum()
-            assert (resumed[name] - tensor).abs().sum() <= 0.02 * moved, name
-    # The pods got the store's credentials from the environment only: no file the replays left holds them.
-    secret = s3.env["FLYTE_AWS_SECRET_ACCESS_KEY"]
-    holding = [path for path in tmp_path.rglob("*")
-               if path.is_file() and secret.encode() in path.read_bytes()]
-    assert not holding, holding
-    assert "FLYTE_AWS_SECRET_ACCESS_KEY" in started["platform_env"]
-    assert not [key for key in s3.keys(ckpt) if secret.encode() in s3.client().get_object(
-        Bucket=s3.bucket, Key=key)["Body"].read()]
+            assert (end[name] - tensor).abs().sum() <= 0.02 * moved, name
+
+
+def test_one_pod_of_one_multithreaded_process_with_restarts_resumes_a_copy_of_the_root(two_pods, tmp_path):
+    workdir = tmp_path / "one-process"
+    run = resumed_execution(two_pods, workdir, "nnodes=1", "nproc_per_node=1", "max_restarts=1")
+    assert resumed(run.train) == (run.latest, MAX_STEPS, 1)
+    # A restart budget makes the task launch an elastic worker (one process without one trains in the
+    # task's own process), and nothing sets that worker's threads: it runs at torch's default in the pod,
+    # every core, the case that hung when such a worker was forked from the task's process.
+    (node,) = [node for node in run.summary["nodes"] if node["node_id"] == TRAIN_NODE]
+    assert node["task"] == "tasks.train.train-local-1x1-restarts1"
+    (pod,) = workdir.glob(f"pods/{run.summary['execution']}-{TRAIN_NODE}-0*")
+    assert "OMP_NUM_THREADS" not in json.loads((pod / "pod.json").read_text())["env"]
+    # The two ranks' shards load on a world of one, and the run's last checkpoint holds the same tensors.
+    assert weights(run.root, MAX_STEPS).keys() == two_pods.final.keys()

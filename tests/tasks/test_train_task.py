@@ -295,3 +295,48 @@ def test_a_signal_before_the_workers_trained_a_step_ends_the_attempt_recoverable
         "stopped by SIGINT before this attempt committed a checkpoint of the step it reached (it was "
         "starting, or its save outlasted checkpoint.preemption_grace_s)",
         "to resume, run the same pyflyte command with --checkpoint_uri /checkpoints"]
+
+
+def test_both_train_tasks_end_a_preempted_attempt_from_the_record_its_workers_left(monkeypatch, dataset,
+                                                                                 tmp_path):
+    from flytekit.exceptions.user import FlyteUserException
+    from flytekit.extend.backend.base_connector import AsyncConnectorExecutorMixin
+
+    from tasks.slurm.connector import CONNECTOR, SlurmJobMeta
+    from tasks.slurm.report import JobEnd
+    from tasks.slurm.states import Outcome
+    from traincore.run.preemption import Preempted, write_record
+
+    root = str(tmp_path / "checkpoints")
+    saved = Preempted(12, "SIGTERM", f"{root}/step-000012")
+
+    def evicted(self, **kwargs):
+        write_record(root, saved)  # as rank 0 leaves it before the workers exit
+        raise signalled_agent_error(signal.SIGTERM)
+
+    def job_signalled(self, **kwargs):
+        write_record(root, saved)
+        self.resource_meta = SlurmJobMeta(job_id="12", target="hpc", output_prefix="/prefix")
+        CONNECTOR.last["12"] = JobEnd(Outcome.RETRYABLE, "Slurm job 12 signalled", preempted_by="SIGUSR1")
+        raise FlyteUserException("Slurm job 12 signalled")
+
+    monkeypatch.setattr(PytorchElasticFunctionTask, "execute", evicted)
+    monkeypatch.setattr(AsyncConnectorExecutorMixin, "execute", job_signalled)
+    slurm_task = train_task_for(Topology(backend="slurm", slurm=SlurmSettings(target="hpc")), preset("debug"))
+    for task in (train_task, slurm_task):
+        # The record names the step saved: it wins over the signal the launcher saw.
+        with pytest.raises(FlyteRecoverableException, match="preempted at step 12 by SIGTERM: checkpoint "
+                           "step-12 saved in .*; the same command resumes from it"):
+            task.execute(config=preset("debug"), dataset=dataset, checkpoint_root=root)
+
+
+def test_one_function_reads_the_record_and_stops_a_preempted_attempt(tmp_path):
+    from traincore.run.preemption import Preempted, write_record
+
+    root = str(tmp_path)
+    assert train_module.stop_if_preempted(root, "", None) is None  # neither a record nor a signal: go on
+    with pytest.raises(FlyteRecoverableException, match="stopped by SIGTERM before this attempt committed"):
+        train_module.stop_if_preempted(root, "", "SIGTERM")
+    write_record(root, Preempted(7, "SIGINT", f"{root}/step-000007"))
+    with pytest.raises(FlyteRecoverableException, match="preempted at step 7 by SIGINT: checkpoint step-7"):
+        train_module.stop_if_preempted(root, "", "SIGTERM")

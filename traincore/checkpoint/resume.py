@@ -36,11 +36,16 @@ def choose_step(root: Store, step: int | None, verify: bool) -> int | None:
         log.warning("ignoring %s: it is not a checkpoint of traincore (another program's file or directory; "
                     "never deleted): move it out of %s to silence this warning", entry, root)
     complete = complete_steps(root)
+    if step is not None:
+        then = f"resuming from step {step}, as asked"
+    elif complete:
+        then = "resuming from the latest committed step instead"
+    else:
+        then = "no step is committed, so the run starts from the beginning"
     for torn in torn_steps(root, complete):
         if not complete or torn > complete[-1]:
             log.warning("skipping %s: its save never committed (no %s; the process was stopped while "
-                        "writing it); resuming from the latest committed step instead",
-                        step_store(root, torn), MARKER)
+                        "writing it); %s", step_store(root, torn), MARKER, then)
     if step is not None:
         if step not in complete:
             raise CheckpointError(f"checkpoint.resume={step} (--resume): {root} holds no complete checkpoint "

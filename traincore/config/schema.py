@@ -246,7 +246,8 @@ class ModelConfig:
     init_from (nothing is downloaded)."""
     kwargs: dict = field(default_factory=dict)
     """Keyword arguments for an imported factory (model.name ``"<module>:<callable>"``), a JSON object; it
-    is called as ``callable(num_classes=..., in_channels=..., image_size=..., **kwargs)``."""
+    is called as ``callable(num_classes=..., in_channels=..., image_size=..., **kwargs)``, each of the first
+    three where the callable takes it (docs/own-model.md)."""
     init_from: str = ""
     """Weights to start from (docs/own-model.md): a safetensors or torch state-dict (.pt/.pth) file, a path
     or an object-store URI, loaded before the first step; ignored by a run that resumes. Empty: random."""
@@ -254,8 +255,8 @@ class ModelConfig:
     """fnmatch patterns over the model's state_dict names that keep their fresh values (a new head, e.g.
     ``["fc.*"]``)."""
     init_strict: bool = True
-    """Refuse an init_from file that lacks a tensor of the model, or holds one of another shape, unless
-    excluded; false loads what fits and reports the rest."""
+    """Refuse an init_from file that lacks a tensor of the model, or holds one of another shape or kind
+    (integers for floats), unless excluded; false loads what fits and reports the rest."""
     width: int = 32
     """Channels of the first conv layer (small_cnn) or hidden size (mlp); the torchvision models ignore it."""
     dropout: float = 0.0
@@ -419,7 +420,8 @@ class CheckpointConfig:
     """Seconds a run has, from SIGTERM, SIGINT or SIGUSR1, to finish its step, save it and exit (exit code
     75, "preempted at step N"). Keep it under what the platform waits before SIGKILL: Kubernetes' default
     termination grace and torchrun's shutdown timeout are 30 s, a GKE spot node gives about 25 s. A save
-    that cannot finish in time is abandoned: the last complete checkpoint stays the one a resume loads."""
+    that cannot finish in time is abandoned: the last complete checkpoint stays the one a resume loads. A
+    run warns at start when this is not under the launcher's limit (TORCH_ELASTIC_SHUTDOWN_TIMEOUT)."""
 
     def __post_init__(self) -> None:
         _check_types(self, "checkpoint")

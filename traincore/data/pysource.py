@@ -63,6 +63,8 @@ def open_dataset(path: str) -> UserDataset:
     factory = import_callable(path, setting, StagingError)
     try:
         dataset = factory()
+    except StagingError:  # a sys.exit() in the factory, named by traincore.imports.no_exit
+        raise
     except Exception as exc:  # the factory is the user's code
         raise StagingError(f"{setting}: {path}() raised {_reason(exc)}: fix the dataset factory") from exc
     if not (hasattr(dataset, "__len__") and hasattr(dataset, "__getitem__")):

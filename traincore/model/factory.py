@@ -20,6 +20,7 @@ from collections.abc import Callable
 from typing import Any
 
 from torch import nn
+from torch.nn.modules.lazy import LazyModuleMixin
 
 from traincore.config import ModelConfig
 from traincore.imports import import_callable, import_module, no_exit
@@ -95,10 +96,14 @@ def _spelled(name: str, offered: dict[str, int], kwargs: dict) -> str:
     return f"{name}({', '.join(f'{key}={value!r}' for key, value in arguments.items())})"
 
 
-def _layers(model: nn.Module) -> list[tuple[str, nn.Module]]:
-    """The modules that hold parameters of their own, by qualified name, in registration order."""
-    return [(name, module) for name, module in model.named_modules()
-            if any(True for _ in module.parameters(recurse=False))]
+def _end_layer(model: nn.Module, last: bool) -> tuple[str, nn.Module] | None:
+    """The first (or last) module, in registration order, that holds parameters of its own, with its
+    qualified name; None when there is none, or it is lazy (``nn.LazyConv2d`` fits its first input)."""
+    layers = [(name, module) for name, module in model.named_modules()
+              if any(True for _ in module.parameters(recurse=False))]
+    if not layers or isinstance(layers[-1 if last else 0][1], LazyModuleMixin):
+        return None
+    return layers[-1 if last else 0]
 
 
 def _replace(model: nn.Module, name: str, new: nn.Module) -> None:
@@ -108,10 +113,10 @@ def _replace(model: nn.Module, name: str, new: nn.Module) -> None:
 
 def _fit_stem(model: nn.Module, factory: str, channels: int) -> None:
     """Replace a first ``Conv2d`` made for another channel count by one for ``channels``."""
-    layers = _layers(model)
-    if not layers or not isinstance(layers[0][1], nn.Conv2d) or layers[0][1].in_channels == channels:
+    found = _end_layer(model, last=False)
+    if found is None or not isinstance(found[1], nn.Conv2d) or found[1].in_channels == channels:
         return  # not a convolution this can refit: the preflight forward judges the model as it is
-    name, conv = layers[0]
+    name, conv = found
     if conv.groups != 1:
         raise ModelImportError(
             f"model.name={factory!r}: the factory takes no in_channels and its first layer {name} is a "
@@ -127,10 +132,10 @@ def _fit_stem(model: nn.Module, factory: str, channels: int) -> None:
 
 def _fit_head(model: nn.Module, factory: str, num_classes: int) -> None:
     """Replace a last ``Linear`` of another width by one of ``num_classes`` outputs."""
-    layers = _layers(model)
-    if not layers or not isinstance(layers[-1][1], nn.Linear) or layers[-1][1].out_features == num_classes:
+    found = _end_layer(model, last=True)
+    if found is None or not isinstance(found[1], nn.Linear) or found[1].out_features == num_classes:
         return  # the preflight forward checks the logits' shape
-    name, head = layers[-1]
+    name, head = found
     _replace(model, name, nn.Linear(head.in_features, num_classes, bias=head.bias is not None,
                                     device=head.weight.device, dtype=head.weight.dtype))
     log.info("model.name=%r takes no num_classes: its last layer %s (a Linear of %d outputs) is replaced "

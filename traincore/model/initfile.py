@@ -19,6 +19,7 @@ worker checks its tensors as it loads them.
 
 from __future__ import annotations
 
+import hashlib
 import io
 import json
 import pickle
@@ -26,7 +27,6 @@ import zipfile
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
-from hashlib import sha256
 from pathlib import Path, PurePosixPath
 from typing import Any
 
@@ -85,15 +85,15 @@ def read_init_file(location: str, options: dict | None = None) -> InitFile:
             data = store.read_bytes(name)
         except (FileNotFoundError, IsADirectoryError):
             raise _absent(location, store, name) from None
-    with _parsing(location):
+    with _reading(location), _parsing(location):
         if suffix == ".safetensors":
             from safetensors.torch import load
 
             loaded = load(data)
         else:
             loaded = torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
-    tensors, layout = state_of(location, loaded)
-    return InitFile(tensors, sha256(data).hexdigest(), layout)
+    tensors, layout = _state_of(location, loaded)
+    return InitFile(tensors, hashlib.sha256(data).hexdigest(), layout)
 
 
 def read_init_header(location: str, options: dict | None = None) -> InitFile | None:
@@ -109,14 +109,14 @@ def read_init_header(location: str, options: dict | None = None) -> InitFile | N
     if not store.local:
         return None
     path = store.path / name
-    with _parsing(location):  # the legacy (pre-zip) format cannot be memory-mapped: it is read whole
+    with _reading(location), _parsing(location):  # the legacy (pre-zip) format cannot be memory-mapped
         loaded = torch.load(path, map_location="cpu", weights_only=True, mmap=zipfile.is_zipfile(path))
-    tensors, layout = state_of(location, loaded)
+    tensors, layout = _state_of(location, loaded)
     return InitFile({key: TensorSpec(tuple(value.shape), value.dtype) for key, value in tensors.items()},
                     layout=layout)
 
 
-def state_of(location: str, loaded: Any) -> tuple[dict[str, Any], str]:
+def _state_of(location: str, loaded: Any) -> tuple[dict[str, Any], str]:
     """The state dict in what the file at ``location`` holds, and where it was (empty: the top level)."""
     if _is_state(loaded):
         return dict(loaded), ""
@@ -134,8 +134,9 @@ def state_of(location: str, loaded: Any) -> tuple[dict[str, Any], str]:
     if found:
         raise InitError(f"model.init_from={location!r} holds several state dicts, under "
                         f"{' and '.join(map(repr, found))} (its top-level keys: {contents}): save the one to "
-                        f"start from alone, e.g. torch.save(torch.load(FILE, weights_only=True)[{found[0]!r}], "
-                        "'weights.pt'), and pass that file")
+                        "start from alone, e.g. "
+                        f"torch.save(torch.load(FILE, weights_only=True)[{found[0]!r}], 'weights.pt'), and "
+                        "pass that file")
     raise InitError(f"model.init_from={location!r} holds no state dict: its top-level keys are "
                     f"{contents or '(none)'}, and none of {', '.join(STATE_KEYS)} holds a mapping of tensor "
                     "names to tensors: save the model's state dict alone, "
@@ -178,21 +179,24 @@ def _locate(location: str, options: dict | None) -> tuple[Store, str, str]:
 
 def _absent(location: str, store: Store, name: str) -> InitError:
     """The error for a ``location`` where no file is: a directory's problem, or that nothing is there."""
-    return InitError(_directory_problem(location, store.child(name))
-                     or f"model.init_from={location!r} does not exist: pass the path or URI of the weights to "
-                        "start from")
+    return InitError(_directory_problem(location, store.child(name)) or _missing(location))
+
+
+def _missing(location: str) -> str:
+    return f"model.init_from={location!r} does not exist: pass the path or URI of the weights to start from"
 
 
 def _directory_problem(location: str, directory: Store) -> str | None:
     """What to pass instead when ``location`` is a directory (a training checkpoint, an export), or None."""
     entries = directory.entries()
-    if not entries:
+    if not entries and not (directory.local and directory.path.is_dir()):
         return None
     if MARKER in entries or any(parse_step_name(name) is not None for name in entries):
         return (f"model.init_from={location!r} is a training checkpoint, not a weights file: export it with "
                 f"`python -m traincore.export --checkpoint {location} --output model.safetensors` and pass "
                 "that file (a run that continues it resumes from its checkpoint root instead)")
-    weights = sorted(name for name, kind in entries.items() if kind == "file" and Path(name).suffix in SUFFIXES)
+    weights = sorted(name for name, kind in entries.items()
+                     if kind == "file" and Path(name).suffix in SUFFIXES)
     if weights:
         return (f"model.init_from={location!r} is a directory: pass the weights file in it, e.g. "
                 f"{directory.uri_of(weights[0])}")
@@ -220,8 +224,8 @@ def _safetensors_header(location: str, store: Store, name: str, size: int) -> di
         raise damaged from exc
     if 8 + length + end != size:
         raise InitError(f"model.init_from={location!r} holds {size} bytes, but its header describes "
-                        f"{8 + length + end}: the file is truncated or damaged (an interrupted copy?): fetch or "
-                        "export it again")
+                        f"{8 + length + end}: the file is truncated or damaged (an interrupted copy?): fetch "
+                        "or export it again")
     return specs
 
 
@@ -233,8 +237,7 @@ def _reading(location: str) -> Iterator[None]:
     except InitError:
         raise
     except FileNotFoundError as exc:
-        raise InitError(f"model.init_from={location!r} does not exist: pass the path or URI of the weights to "
-                        "start from") from exc
+        raise InitError(_missing(location)) from exc
     except Exception as exc:  # botocore, gcsfs and adlfs raise their own classes for credentials and network
         fix = ("check the path and its permissions" if not is_uri(location) else
                "check that the object exists and that this machine reaches the store with credentials that "
@@ -249,19 +252,19 @@ def _parsing(location: str) -> Iterator[None]:
     (a whole model saved with ``torch.save(model)``), or a damaged file."""
     try:
         yield
-    except pickle.UnpicklingError as exc:
-        if "Weights only load failed" not in str(exc):
-            raise InitError(f"model.init_from={location!r} cannot be read ({_reason(exc)}): it is damaged, "
-                            f"or not what its suffix says: pass {FORMATS}") from exc
-        detail = next((line.strip() for line in str(exc).splitlines() if "Unsupported global" in line),
-                      _reason(exc))
-        raise InitError(f"model.init_from={location!r} holds pickled objects other than tensors, which "
-                        f"loading with weights_only refuses ({detail}): a whole model saved with "
-                        "torch.save(model), or a checkpoint with classes of its own; save the model's state "
-                        "dict alone, torch.save(model.state_dict(), 'weights.pt'), and pass that file") from exc
+    except OSError:  # the file could not be read at all: _reading says so
+        raise
     except Exception as exc:  # each reader reports a damaged file as whatever it hit
-        raise InitError(f"model.init_from={location!r} cannot be read ({_reason(exc)}): it is damaged, or not "
-                        f"what its suffix says: pass {FORMATS}") from exc
+        if isinstance(exc, pickle.UnpicklingError) and "Weights only load failed" in str(exc):
+            detail = next((line.strip() for line in str(exc).splitlines() if "Unsupported global" in line),
+                          _reason(exc))
+            raise InitError(f"model.init_from={location!r} holds pickled objects other than tensors, which "
+                            f"loading with weights_only refuses ({detail}): a whole model saved with "
+                            "torch.save(model), or a checkpoint with classes of its own; save the model's "
+                            "state dict alone, torch.save(model.state_dict(), 'weights.pt'), and pass that "
+                            "file") from exc
+        raise InitError(f"model.init_from={location!r} cannot be read ({_reason(exc)}): it is damaged, or "
+                        f"not what its suffix says: pass {FORMATS}") from exc
 
 
 def _reason(exc: BaseException) -> str:

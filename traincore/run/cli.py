@@ -28,7 +28,7 @@ import torch
 from torch.distributed.elastic.multiprocessing.api import SignalException
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 
-from traincore.checkpoint import CheckpointError
+from traincore.checkpoint import CheckpointError, as_store, complete_steps
 from traincore.config import PARALLELISMS, PRESETS, Config, ConfigError, build_config
 from traincore.data import Manifest, StagingError
 from traincore.run.launch import launch_local, refuse_under_torchrun, start_method, worker_threads
@@ -183,7 +183,7 @@ def train_local_workers(cfg: Config, args: argparse.Namespace, started_at: float
     """Check the run once here, then train in ``--nproc-per-node`` workers; rank 0's summary."""
     startup = StartupClock(started_at)
     startup.mark("imports")
-    manifest = preflight(cfg, args.data, args.output, args.checkpoint_dir)
+    manifest = preflight(cfg, args.data, args.output, args.checkpoint_dir, world_size=args.nproc_per_node)
     startup.mark("preflight")
     if start_method(worker_threads(args.nproc_per_node), torch.cuda.is_available()) == "fork":
         # torch.optim's constructors import torch._dynamo (add_param_group is wrapped in
@@ -193,6 +193,16 @@ def train_local_workers(cfg: Config, args: argparse.Namespace, started_at: float
     results = launch_local(train_worker, (cfg, args.data, args.output, args.checkpoint_dir, manifest,
                                           startup.state_dict()), args.nproc_per_node, args.max_restarts or 0)
     return results[0]
+
+
+def _stopped(signal_name: str, root: str) -> str:
+    """What a launcher stopped by a signal says: its workers' own record said the rest, or the step the
+    same command resumes from (the last committed one, or none)."""
+    if read_record(root):
+        return f"stopped by {signal_name}"
+    complete = complete_steps(as_store(root))
+    then = f"resumes from step {complete[-1]}" if complete else "starts from the beginning"
+    return f"stopped by {signal_name} before a checkpoint could be saved; the same command {then}"
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -220,9 +230,7 @@ def main(argv: list[str] | None = None) -> int:
         print(exc, file=sys.stderr, flush=True)
         return max(exc.get_first_failure()[1].exitcode, 1)
     except SignalException as exc:  # the signal reached this launcher, which stopped its workers
-        print(f"stopped by {exc.sigval.name}" if read_record(checkpoint_root(args)) else
-              f"stopped by {exc.sigval.name} before a checkpoint could be saved; the same command resumes "
-              "from the last complete one", file=sys.stderr, flush=True)
+        print(_stopped(exc.sigval.name, checkpoint_root(args)), file=sys.stderr, flush=True)
         return PREEMPTED_EXIT_CODE
     if _launch_rank() == 0:
         print(format_summary(summary), flush=True)

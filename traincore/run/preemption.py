@@ -53,20 +53,28 @@ EXIT_MARGIN_S = 1.0
 """Kept free before the launcher's SIGKILL: it counts from when the launcher got the signal, a little before
 this process did."""
 RECORD_FILE = "preempted.json"
-"""Written by rank 0 into the checkpoint root when the run stops on a signal: step, signal, checkpoint. The
-root, not the output directory: a launcher and its (spawned) workers may not share the latter."""
+"""Written by rank 0 into the checkpoint root when the run stops on a signal: step, signal, checkpoint (and
+the committed step a resume loads when that save failed). The root, not the output directory: a launcher and
+its (spawned) workers may not share the latter."""
 
 log = logging.getLogger(__name__)
 
 
 class Preempted(Exception):
     """The run stopped on a signal after ``step``; ``checkpoint`` is the directory that holds that step, or
-    None when no checkpoint of it could be saved."""
+    None when no checkpoint of it could be saved, and then ``resumes_from`` is the committed step a resume
+    loads instead (None: nothing is committed, a resume starts from the beginning)."""
 
-    def __init__(self, step: int, signal_name: str, checkpoint: str | None):
+    def __init__(self, step: int, signal_name: str, checkpoint: str | None, resumes_from: int | None = None):
         self.step, self.signal_name, self.checkpoint = step, signal_name, checkpoint
-        super().__init__(f"{self.headline}; the same command resumes from "
-                         f"{'it' if checkpoint else 'the last complete one'}")
+        self.resumes_from = resumes_from
+        if checkpoint:
+            then = "the same command resumes from it"
+        elif resumes_from is not None:
+            then = f"the same command resumes from the committed step {resumes_from}"
+        else:
+            then = "nothing is committed, so the same command starts from the beginning"
+        super().__init__(f"{self.headline}; {then}")
 
     @property
     def headline(self) -> str:
@@ -77,11 +85,14 @@ class Preempted(Exception):
         return f"preempted at step {self.step} by {self.signal_name}: {saved}"
 
     def to_record(self) -> dict:
-        return {"step": self.step, "signal": self.signal_name, "checkpoint": self.checkpoint}
+        return {"step": self.step, "signal": self.signal_name, "checkpoint": self.checkpoint,
+                "resumes_from": self.resumes_from}
 
     @classmethod
     def from_record(cls, record: dict) -> Preempted:
-        return cls(int(record["step"]), str(record["signal"]), record.get("checkpoint"))
+        resumes_from = record.get("resumes_from")
+        return cls(int(record["step"]), str(record["signal"]), record.get("checkpoint"),
+                   None if resumes_from is None else int(resumes_from))
 
 
 def write_record(root: str | Path | Store, preempted: Preempted) -> None:

@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from torch import nn
 
 from traincore.checkpoint import (
     RunFit,
@@ -27,21 +28,31 @@ from traincore.checkpoint import (
 )
 from traincore.config import OWN_MODELS, Config, ModelConfig, is_imported_model, model_identity
 from traincore.data import Manifest, verify_staging
-from traincore.model import ModelImportError, build_model, check, plan, read_init_file
+from traincore.imports import no_exit
+from traincore.model import (
+    ModelImportError,
+    build_model,
+    check,
+    plan,
+    read_init_header,
+    shard_units,
+    store_options,
+)
 from traincore.run.dist import resolve_backend
 from traincore.run.steps import check_step_fits_epoch
 from traincore.telemetry import check_wandb_reachable, resolve_wandb_key
 
 
 def preflight(cfg: Config, data_dir: str | Path, output_dir: str | Path | None = None,
-              checkpoint_dir: str | Path | Store | None = None) -> Manifest:
+              checkpoint_dir: str | Path | Store | None = None, world_size: int | None = None) -> Manifest:
     """Check the config against the staged data before any process group starts; returns the manifest.
 
     Also, so that nothing fails only once training has begun: W&B online mode's key and server (reached
     within a few seconds), the process-group backend against this machine, the model against the staged
-    sample shape (on the meta device: no memory, no compute) and, when given, the output directory and the
-    checkpoint root (created if missing, probed with a file), and the checkpoint a resume would load (its
-    step exists, its model and data match this run's).
+    sample shape (on the meta device: no memory, no compute; under FSDP its units too), and, when given, the
+    output directory and the checkpoint root (created if missing, probed with a file), and the checkpoint a
+    resume would load (its step exists, its model and data match this run's), or else model.init_from
+    against the same model (from the file's header: a large file is not downloaded here).
 
     The splits a run reads are verified here (traincore.data.manifest.verify_staging: labels every time, image
     shards hashed once per staging), so a corrupt staging fails with a StagingError naming the file.
@@ -51,15 +62,20 @@ def preflight(cfg: Config, data_dir: str | Path, output_dir: str | Path | None =
     if cfg.loader.drop_last and train_count < cfg.loader.batch_size:
         raise ValueError(f"loader.batch_size={cfg.loader.batch_size} exceeds the {train_count} training "
                          f"samples in {data_dir}: lower loader.batch_size")
-    check_step_fits_epoch(cfg, train_count, str(data_dir))  # train.grad_accum_steps within one epoch
+    # train.grad_accum_steps within one epoch, for the world the launcher starts (``world_size``: every
+    # node's processes; None in a worker, which knows its own from torchrun's WORLD_SIZE)
+    check_step_fits_epoch(cfg, train_count, str(data_dir), world_size)
     resolve_wandb_key(cfg.telemetry.wandb_mode)  # online mode without a key fails here, not in a worker
     check_wandb_reachable(cfg.telemetry.wandb_mode)  # nor without network (rank 0, after wandb's retries)
     if cfg.model.name == "vit_b_16" and manifest.shape[1] % 16:
         raise ValueError(f"model.name='vit_b_16' needs an image size divisible by 16; {data_dir} is staged "
                          f"at {manifest.shape[1]}: stage again with a multiple of 16")
     resolve_backend(cfg.dist, torch.cuda.is_available())  # nccl without CUDA fails here, not in a worker
-    check_model_input(cfg.model, manifest.num_classes, manifest.shape, f"the data in {data_dir}",
-                      cfg.loader.batch_size)
+    model = check_model_input(cfg.model, manifest.num_classes, manifest.shape, f"the data in {data_dir}",
+                              cfg.loader.batch_size)
+    if cfg.dist.parallelism == "fsdp":
+        shard_units(model, cfg.model.name)  # a module's shard_units hook fails here, not in every worker
+    root = as_store(checkpoint_dir) if checkpoint_dir is not None else None
     if output_dir is not None:
         output_dir = Path(output_dir)
         ensure_writable_dir(output_dir, "output directory", "--output")
@@ -72,7 +88,7 @@ def preflight(cfg: Config, data_dir: str | Path, output_dir: str | Path | None =
     else:
         resumed = None
     if cfg.model.init_from and resumed is None:
-        check_init(cfg.model, manifest.num_classes, manifest.shape)
+        check_init(cfg.model, model, root)
     return manifest
 
 
@@ -122,9 +138,10 @@ def ensure_writable_store(store: Store) -> None:
 
 
 def check_model_input(model: ModelConfig, num_classes: int, shape: tuple[int, ...] | list[int], data: str,
-                      batch_size: int = 2) -> None:
-    """ValueError unless ``model`` builds for ``shape`` (C, H, W) samples, trains on batches of
-    ``batch_size`` and maps them to ``num_classes`` logits.
+                      batch_size: int = 2) -> nn.Module:
+    """The model ``model`` names, as built for the check (on the meta device or CPU); ValueError unless it
+    builds for ``shape`` (C, H, W) samples, trains on batches of ``batch_size`` and maps them to
+    ``num_classes`` logits.
 
     Our own models run a forward on CPU zeros without gradients, in training mode on min(batch_size, 2)
     samples (BatchNorm needs > 1 value per channel: a batch of 1 whose feature map shrinks to 1x1 fails)
@@ -134,19 +151,21 @@ def check_model_input(model: ModelConfig, num_classes: int, shape: tuple[int, ..
     takes seconds, and importing torchvision has already paid for sympy.
 
     An imported model (``"<module>:<callable>"``) runs on the meta device too, and on CPU zeros when one
-    of its ops has no meta kernel. Its factory's errors (ModelImportError) propagate as they are: they
-    name its import path.
+    of its ops has no meta kernel or its forward reads values (``.item()``, a branch on a tensor). Its
+    factory's errors (ModelImportError) propagate as they are: they name its import path; whatever its
+    forward raises, or a sys.exit() in it, is an error naming it too.
     """
     shape = tuple(shape)
     imported = is_imported_model(model.name)
     device = "cpu" if model.name in OWN_MODELS else "meta"
     try:
-        try:
-            logits = _probe(model, num_classes, shape, batch_size, device)
-        except NotImplementedError:
-            if not imported:
-                raise
-            logits = _probe(model, num_classes, shape, batch_size, "cpu")  # an op without a meta kernel
+        with no_exit(f"model.name={model.name!r}: its forward", ModelImportError):
+            try:
+                built, logits = _probe(model, num_classes, shape, batch_size, device)
+            except Exception as exc:  # an op without a meta kernel, or code that reads values (.item())
+                if not imported or not (isinstance(exc, NotImplementedError) or "meta" in str(exc)):
+                    raise
+                built, logits = _probe(model, num_classes, shape, batch_size, "cpu")
     except ModelImportError:
         raise
     except (RuntimeError, ValueError) as exc:
@@ -155,6 +174,11 @@ def check_model_input(model: ModelConfig, num_classes: int, shape: tuple[int, ..
         raise ValueError(f"model.name={model.name!r} cannot take {data}: samples of shape {shape} in "
                          f"batches of {batch_size} ({reason}); stage the data with a larger "
                          f"data.image_size, raise loader.batch_size, or {fix}") from exc
+    except Exception as exc:  # an imported model's forward is the user's code, which may raise anything
+        if not imported:
+            raise
+        raise ValueError(f"model.name={model.name!r}: its forward on {data} (zeros of shape {shape}) raised "
+                         f"{type(exc).__name__}: {exc}: fix the model") from exc
     if not isinstance(logits, torch.Tensor):
         raise ValueError(f"model.name={model.name!r} returns a {type(logits).__name__} for a batch of "
                          f"{data}, not a tensor of logits: make it return logits of shape (N, {num_classes})")
@@ -163,24 +187,28 @@ def check_model_input(model: ModelConfig, num_classes: int, shape: tuple[int, ..
                else "choose another model.name")
         raise ValueError(f"model.name={model.name!r} maps {data} to logits of shape "
                          f"{tuple(logits.shape)[1:]}, not ({num_classes},): {fix}")
+    return built
 
 
-def _probe(model: ModelConfig, num_classes: int, shape: tuple[int, ...], batch_size: int, device: str) -> Any:
-    """Build ``model`` on ``device`` and run it on zeros, in training then eval mode; the eval output."""
+def _probe(model: ModelConfig, num_classes: int, shape: tuple[int, ...], batch_size: int,
+           device: str) -> tuple[nn.Module, Any]:
+    """Build ``model`` on ``device`` and run it on zeros, in training then eval mode; it and its eval
+    output."""
     with torch.device(device), torch.no_grad():
         built = build_model(model, num_classes, shape)
         built.train()(torch.zeros(min(batch_size, 2), *shape))
-        return built.eval()(torch.zeros(2, *shape))
+        return built, built.eval()(torch.zeros(2, *shape))
 
 
-def check_init(model: ModelConfig, num_classes: int, shape: tuple[int, ...] | list[int]) -> None:
-    """InitError unless model.init_from can be read and fits the model (built on the meta device) as the
-    worker will load it: the same plan and check (traincore.model.warmstart)."""
-    with torch.device("meta"):
-        built = build_model(model, num_classes, tuple(shape))
-    tensors, digest = read_init_file(model.init_from)
-    shapes = {name: value.shape for name, value in built.state_dict().items()}
-    check(plan(shapes, tensors, model.init_exclude, model.init_from, digest), model.init_strict)
+def check_init(cfg: ModelConfig, model: nn.Module, root: Store | None = None) -> None:
+    """InitError unless model.init_from can be read and fits ``model`` (as :func:`check_model_input` built
+    it) as the worker will load it: the same plan and check (traincore.model.warmstart), from the file's
+    header only (a torch file in an object store: only that it is there). ``root``: the run's checkpoint
+    root, whose store options read an init_from in the same kind of store, as the worker reads it."""
+    header = read_init_header(cfg.init_from, store_options(cfg.init_from, root))
+    if header is not None:
+        check(plan(model.state_dict(), header.tensors, cfg.init_exclude, cfg.init_from, layout=header.layout),
+              cfg.init_strict)
 
 
 def check_resume(cfg: Config, manifest: Manifest, root: Store, data_dir: str | Path) -> int | None:

@@ -100,6 +100,16 @@ class ModelState:
         set_model_state_dict(model, state, options=_options(reshards(model, state)))
 
 
+def load_model_tensors(model: nn.Module, tensors: dict[str, torch.Tensor]) -> None:
+    """Copy full tensors, by canonical name, into ``model`` whatever wraps or shards it (a warm start's
+    partial load: the model's other tensors keep their values). Every rank passes the same tensors."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+
+    bare = unwrap_model(model)
+    set_model_state_dict(bare, tensors,
+                         options=StateDictOptions(full_state_dict=reshards(bare, tensors), strict=False))
+
+
 class OptimizerState:
     """The optimizer's state keyed by parameter names (reshardable), not by position; full or sharded as
     :class:`ModelState` describes."""

@@ -21,10 +21,10 @@ from typing import Any
 import torch
 from torch import nn
 
-from traincore.checkpoint import Checkpointer, CheckpointError, Store, as_store, complete_steps, step_store
+from traincore.checkpoint import Checkpointer, CheckpointError, Store, as_store, step_store
 from traincore.config import Config
 from traincore.data import Manifest, StagedLoader, StagedSplit, autotune
-from traincore.model import build_model, parameter_count, shard_units, warm_start
+from traincore.model import build_model, init_tensors, parameter_count, shard_units, store_options
 from traincore.run.dist import (
     DistContext,
     distributed,
@@ -39,7 +39,7 @@ from traincore.run.preemption import (
     write_record,
 )
 from traincore.run.preflight import preflight
-from traincore.run.state import Progress, training_registry
+from traincore.run.state import Progress, load_model_tensors, training_registry, unwrap_model
 from traincore.run.steps import endless, seed_everything, total_steps, train_step, validate, warmup_cosine
 from traincore.telemetry import (
     ProfilerWindow,
@@ -134,7 +134,7 @@ class Trainer:
         stack.enter_context(logging_setup(cfg.telemetry.level, ctx.rank))
         # Closed among the last: its grace timer bounds the checkpointer's and telemetry's closing too.
         self.preemption = PreemptionWatch(cfg.checkpoint.preemption_grace_s, ctx.world_size,
-                                          committed=self._committed_checkpoint)
+                                          committed=self._committed_checkpoint, main=ctx.is_main)
         stack.callback(self.preemption.close)
         self.startup.mark("process group")
         self.output.mkdir(parents=True, exist_ok=True)
@@ -146,7 +146,6 @@ class Trainer:
         self.step_batch_size = self.loader.global_batch_size * cfg.train.grad_accum_steps
         self.startup.mark("loader")
         model = build_model(cfg.model, self.manifest.num_classes, self.manifest.shape, seed=cfg.train.seed)
-        self.init_record = self._warm_start(model)
         workload = self._workload(model)
         self.model = parallelize(model.to(ctx.device), model_units(model, cfg), cfg.dist, ctx,
                                  bf16=cfg.train.bf16, compile=cfg.model.compile)
@@ -155,12 +154,15 @@ class Trainer:
         self.records = self._records()
         if self.records is not None:  # closed after telemetry, whose last rows and events it copies
             stack.callback(self.records.close)
+            # A save that outlasts the grace ends the process without unwinding: the records' last copy.
+            self.preemption.last_copy = self.records.close
         self.telemetry = Telemetry(cfg.telemetry, self.output, ctx, workload, cfg.to_dict())
         stack.callback(self.telemetry.close)
         self.startup.mark("telemetry")
         seed_everything(cfg.train.seed + ctx.rank)  # per-rank streams (dropout, ...); a resume restores them
+        self.run_meta = self._run_meta()  # the record a warm start adds its file to (_warm_start)
         self.registry = training_registry(self.model, self.optimizer, self.scheduler, self.loader,
-                                          self.progress, self._run_meta())
+                                          self.progress, self.run_meta)
         self.registry.register("telemetry", self.telemetry)
         self.checkpointer = Checkpointer(self.checkpoint_root, cfg.checkpoint, self.registry, ctx.rank,
                                          ctx.world_size)
@@ -210,27 +212,32 @@ class Trainer:
         return Workload(total_steps=self.total_steps, global_batch_size=self.step_batch_size,
                         flops_per_sample=flops, dtype=dtype)
 
-    def _warm_start(self, model: nn.Module) -> dict | None:
-        """Load model.init_from into the fresh ``model``, unless the run resumes from a checkpoint (which
-        holds the weights since); the run record of where the weights started, or None."""
+    def _warm_start(self, resumed: int | None) -> None:
+        """Load model.init_from into the model (wrapped and sharded by now) of a run that starts fresh: the
+        checkpointer, which chose the step to resume from (None: nothing to resume), decides. A resumed
+        run's checkpoint holds the weights since, and its run record says which file they started from; a
+        fresh run's record gets that file and its sha256."""
         cfg = self.cfg.model
         if not cfg.init_from:
-            return None
-        if self.cfg.checkpoint.resume != "none" and complete_steps(self.checkpoint_root):
-            log.info("model.init_from %s is ignored: this run resumes from a checkpoint in %s",
-                     cfg.init_from, self.checkpoint_root)
-            return None
-        report = warm_start(model, cfg.init_from, cfg.init_exclude, cfg.init_strict)
-        return {"from": cfg.init_from, "sha256": report.sha256}
+            return
+        if resumed is not None:
+            log.info("model.init_from %s is ignored: this run resumes from step %d in %s", cfg.init_from,
+                     resumed, self.checkpoint_root)
+            return
+        self.startup.mark("checkpoint look-up")
+        report, tensors = init_tensors(unwrap_model(self.model).state_dict(), cfg.init_from, cfg.init_exclude,
+                                       cfg.init_strict, store_options(cfg.init_from, self.checkpoint_root))
+        load_model_tensors(self.model, tensors)
+        self.run_meta["init"] = {"from": cfg.init_from, "sha256": report.sha256}
+        self.startup.mark("model")  # the starting weights are part of the model's start-up
 
     def _run_meta(self) -> dict:
-        """What a checkpoint records about the run beside the state: config, data shape, world size, and
-        the file its weights started from (model.init_from)."""
+        """What a checkpoint records about the run beside the state: config, data shape, world size (and,
+        added by :meth:`_warm_start`, the file its weights started from)."""
         manifest = self.manifest
-        meta = {"config": self.cfg.to_dict(), "num_classes": manifest.num_classes,
+        return {"config": self.cfg.to_dict(), "num_classes": manifest.num_classes,
                 "shape": list(manifest.shape), "classes": manifest.classes, "mean": manifest.mean,
                 "std": manifest.std, "source": manifest.source, "world_size": self.ctx.world_size}
-        return meta | ({"init": self.init_record} if self.init_record else {})
 
     def _records(self) -> RecordsSync | None:
         """Rank 0's copier of metrics.jsonl and the TensorBoard events into the checkpoint root's
@@ -246,11 +253,13 @@ class Trainer:
         return RecordsSync(attempt_records(root, attempt), every_s, sources).start()
 
     def _committed_checkpoint(self) -> str:
-        """The newest checkpoint this run knows committed (loaded or saved), for the grace's last word."""
+        """What a resume loads, from the newest checkpoint this run knows committed (loaded or saved), for
+        the grace's last word."""
         step = getattr(self, "checkpointer", None) and self.checkpointer.committed
         if step is None:
-            return f"no committed checkpoint in {self.checkpoint_root} (a resume starts from the beginning)"
-        return f"the committed checkpoint step {step} in {self.checkpoint_root}"
+            return (f"no checkpoint of this run is committed in {self.checkpoint_root}, so a resume starts "
+                    "from the beginning")
+        return f"the committed checkpoint step {step} in {self.checkpoint_root} stays the one a resume loads"
 
     def _resume(self) -> int | None:
         """Restore the latest (or the requested) checkpoint, if any; returns its step.
@@ -262,6 +271,7 @@ class Trainer:
         resumed = None
         if wanted != "none":
             resumed = self.checkpointer.load(None if wanted == "latest" else int(wanted))
+        self._warm_start(resumed)
         self.telemetry.resumed_at(resumed or 0)
         accum = self.cfg.train.grad_accum_steps
         log.info("training %s (%s parameters) on %s for %d steps, %d per epoch, global batch %d%s%s",
@@ -314,7 +324,8 @@ class Trainer:
         except CheckpointError as exc:  # e.g. a full disk: the last complete checkpoint stays the latest
             log.error("preempted at step %d, but its checkpoint failed: %s", step, exc)
             checkpoint = None
-        preempted = Preempted(step, self.preemption.signal_name or "a signal", checkpoint)
+        preempted = Preempted(step, self.preemption.signal_name or "a signal", checkpoint,
+                              resumes_from=self.checkpointer.committed)
         if self.ctx.is_main:
             write_record(self.checkpoint_root, preempted)
         raise preempted

@@ -2,10 +2,12 @@
 
 The sinks write ``metrics.jsonl`` and TensorBoard's event files into the run's output directory, which on a
 cluster is a pod's disk: gone with the pod. :class:`RecordsSync` copies them, every
-``telemetry.records_every_s`` and once more when the run ends however it ends (a failure, a preemption),
-into the checkpoint root's ``records/attempt-<N>/``, so a failed or preempted attempt keeps them and a
-running one can be watched (``tensorboard --logdir <root>/records``). A launcher adds the tails of its
-workers' stderr copies the same way.
+``telemetry.records_every_s`` and once more when the run ends however it ends (a failure, a preemption,
+a save that outlasted the preemption grace: the process then copies them before it exits, within what is
+left before the launcher's SIGKILL; see :mod:`traincore.run.preemption`), into the checkpoint root's
+``records/attempt-<N>/``, so a failed or preempted attempt keeps them and a running one can be watched
+(``tensorboard --logdir <root>/records``). A launcher adds the tails of its workers' stderr copies the same
+way.
 
 Object stores have no append: a file that changed since its last copy is uploaded whole. Records are
 small (a metrics row is about 300 bytes, an event about 100), so this is cheap next to a checkpoint; a
@@ -94,9 +96,10 @@ class RecordsSync:
                                 path, self.target, exc)
 
     def close(self) -> None:
-        """Stop the thread and copy once more: what the run wrote last is in the store."""
+        """Stop the thread and copy once more: what the run wrote last is in the store. Safe to call from
+        two threads at once (a run unwinding while its preemption grace runs out copies from both)."""
         self._stop.set()
-        if self._thread is not None:
-            self._thread.join()
-            self._thread = None
+        thread, self._thread = self._thread, None
+        if thread is not None:
+            thread.join()
         self.sync()

@@ -9,6 +9,7 @@ import subprocess
 import sys
 import tarfile
 from collections import OrderedDict
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -24,7 +25,14 @@ from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, P
 from tasks.failures import first_failure
 from tasks.plan import LaunchInputError
 from tasks.slurm.client import NodeSize
-from tasks.slurm.connector import PHASES, SLURM_TASK_TYPE, check_node_size, forwarded_env, ssh_target
+from tasks.slurm.connector import (
+    PHASES,
+    SLURM_TASK_TYPE,
+    check_node_size,
+    check_time_limit,
+    forwarded_env,
+    ssh_target,
+)
 from tasks.slurm.job import (
     SETUP_ERROR,
     SIGNAL_MARGIN_S,
@@ -36,6 +44,7 @@ from tasks.slurm.job import (
     node_request,
     sbatch_args,
     task_failures,
+    time_limit_s,
 )
 from tasks.slurm.report import headline
 from tasks.slurm.states import JobInfo, Outcome, classify_states
@@ -100,7 +109,7 @@ def test_the_slurm_task_asks_each_node_for_its_processes_cpus_and_memory():
 def test_a_request_no_node_can_hold_names_the_largest_node_and_the_fix():
     topology = Topology(backend="slurm", nproc_per_node=8, slurm=SlurmSettings(target="hpc",
                                                                                 partition="debug"))
-    nodes = [NodeSize("big", 16, 64000), NodeSize("small", 4, 16000)]
+    nodes = [NodeSize("big", 16, 64000), NodeSize("fat", 8, 128000), NodeSize("small", 4, 16000)]
     check_node_size(nodes, topology, NodeRequest(cpus=16, mem_mib=49152))  # "big" holds it
     with pytest.raises(LaunchInputError) as refused:
         check_node_size(nodes, topology, NodeRequest(cpus=16, mem_mib=98304))
@@ -110,6 +119,40 @@ def test_a_request_no_node_can_hold_names_the_largest_node_and_the_fix():
             in message)
     assert "'--cpus-per-task=16 --mem=64000M'" in message
     check_node_size(nodes, topology, NodeRequest(mem_mib=0))  # the user's own flags decide: nothing to check
+
+
+def test_a_time_limit_within_the_warning_signals_lead_is_refused_before_submission():
+    assert [time_limit_s(text) for text in ("30", "2:30", "01:00:05", "1-2", "1-0:30", "0-0:0:40")] == [
+        1800, 150, 3605, 93600, 88200, 40]
+    assert time_limit_s("") is None and time_limit_s("UNLIMITED") is None
+    topology = Topology(backend="slurm", slurm=SlurmSettings(target="hpc", time_limit="0:30"))
+    with pytest.raises(LaunchInputError) as refused:  # the signal would come 35 s before the end
+        check_time_limit(topology, grace_s=20)
+    assert str(refused.value) == (
+        f"input slurm_time_limit='0:30' (30 s) is not longer than the warning signal's lead of "
+        f"{20 + SIGNAL_MARGIN_S} s (checkpoint.preemption_grace_s=20, rounded up, plus {SIGNAL_MARGIN_S} s "
+        "for the agents' shutdown): Slurm would signal the job to save and stop as soon as it starts. Raise "
+        "slurm_time_limit, or lower checkpoint.preemption_grace_s")
+    check_time_limit(topology, grace_s=10)  # 25 s of lead: the job trains for 5 s, then saves
+    check_time_limit(replace(topology, slurm=SlurmSettings(target="hpc")), grace_s=20)  # no limit of ours
+
+
+def test_a_refused_request_names_only_what_was_asked_and_checked():
+    """CPUs or memory that slurm_sbatch_flags size are not asked (0): the refusal names the rest alone."""
+    topology = Topology(backend="slurm", nproc_per_node=8, slurm=SlurmSettings(target="hpc"))
+    nodes = [NodeSize("big", 16, 64000), NodeSize("fat", 8, 128000)]
+    with pytest.raises(LaunchInputError) as memory_only:
+        check_node_size(nodes, topology, NodeRequest(mem_mib=200000))
+    message = str(memory_only.value)
+    assert message.startswith("input nproc_per_node=8: each node's task asks for 200000 MB of memory (8 ")
+    assert "the largest, fat, has 128000 MB. " in message and message.endswith("e.g. '--mem=128000M'")
+    assert "CPU" not in message
+    with pytest.raises(LaunchInputError) as cpus_only:
+        check_node_size(nodes, topology, NodeRequest(cpus=32))
+    message = str(cpus_only.value)
+    assert message.startswith("input nproc_per_node=8: each node's task asks for 32 CPUs (8 ")
+    assert "the largest, big, has 16 CPUs. " in message and message.endswith("e.g. '--cpus-per-task=16'")
+    assert "MB" not in message and "memory" not in message
 
 
 def test_batch_script_runs_setup_then_one_agent_per_node_with_its_verdict():

@@ -10,14 +10,12 @@ rollback to it).
 
 from __future__ import annotations
 
-import os
 import signal
-import subprocess
-import sys
 import uuid
 from pathlib import Path
 
 import pytest
+from ranks import start_script, wait_exit
 
 import traincore.artifacts.registry
 from traincore.artifacts.export import WEIGHTS_FILE, export, load_exported
@@ -25,8 +23,6 @@ from traincore.artifacts.lineage import LINEAGE_FILE, Lineage, with_test
 from traincore.artifacts.registry import Registry, RegistryError, main, resolve_champion
 from traincore.config.presets import preset
 from traincore.run.trainer import Trainer
-
-REPO = Path(__file__).resolve().parents[3]
 
 
 @pytest.fixture(scope="module")
@@ -40,6 +36,15 @@ def models(synthetic_dir, tmp_path_factory) -> list[Path]:
         with_test(result.lineage, 0.5 + steps / 10, 10).write(root / f"model{steps}" / LINEAGE_FILE)
         directories.append(root / f"model{steps}")
     return directories
+
+
+def run_child(source: str, tmp_path: Path, *args) -> tuple[int, str]:
+    """Run ``source`` as ``python child.py args`` in a forked child: its exit code (-9: SIGKILLed) and
+    output."""
+    child, log = tmp_path / "child.py", tmp_path / "child.log"
+    child.write_text(source)
+    code = wait_exit(start_script(child, list(args), log), timeout=120)
+    return code, log.read_text(errors="replace") if log.is_file() else ""
 
 
 def lineage_of(model_dir: Path) -> Lineage:
@@ -192,12 +197,8 @@ KILL_POINTS = ("copy", "lineage", "commit", "committed", "latest")
 def test_sigkill_during_publish_never_leaves_latest_on_a_partial_version(models, tmp_path, point):
     registry = Registry(str(tmp_path / "registry"))
     first = registry.publish(models[0], lineage_of(models[0]))
-    child = tmp_path / "child.py"
-    child.write_text(CHILD)
-    env = {**os.environ, "PYTHONPATH": str(REPO)}
-    done = subprocess.run([sys.executable, str(child), point, registry.uri, str(models[1])],
-                          capture_output=True, text=True, env=env, timeout=120)
-    assert done.returncode == -signal.SIGKILL, done.stderr
+    code, output = run_child(CHILD, tmp_path, point, registry.uri, models[1])
+    assert code == -signal.SIGKILL, output
 
     assert registry.latest() == first  # latest is written last: the kill came before it moved
     assert_whole(registry, first, models[0])
@@ -289,12 +290,8 @@ def test_sigkill_during_an_object_store_publish_leaves_latest_whole(models, s3_r
     uri, fs, endpoint = s3_registry
     registry = Registry(uri, fs)
     first = registry.publish(models[0], lineage_of(models[0]))
-    child = tmp_path / "child.py"
-    child.write_text(S3_CHILD)
-    env = {**os.environ, "PYTHONPATH": str(REPO)}
-    done = subprocess.run([sys.executable, str(child), name, uri, str(models[1]), endpoint],
-                          capture_output=True, text=True, env=env, timeout=120)
-    assert done.returncode == -signal.SIGKILL, done.stderr
+    code, output = run_child(S3_CHILD, tmp_path, name, uri, models[1], endpoint)
+    assert code == -signal.SIGKILL, output
     assert registry.latest() == first  # the single PUT of latest never happened
     uploaded = fs.find(uri)
     assert any(path.endswith(WEIGHTS_FILE) and first not in path for path in uploaded)  # the kill was late

@@ -15,8 +15,8 @@ import numpy as np
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 import torch.nn.functional as F
+from ranks import start_ranks
 from torch.nn.parallel import DistributedDataParallel
 
 from traincore.checkpoint import (
@@ -357,11 +357,10 @@ def _worker(rank: int, world_size: int, rendezvous: str, action: str, root: str,
 
 def run_ranks(tmp_path: Path, world_size: int, action: str, root: Path, modes: str,
               timeout: float = 120) -> None:
-    """Run ``action`` on ``world_size`` spawned gloo processes; fail (not hang) after ``timeout`` seconds."""
+    """Run ``action`` on ``world_size`` forked gloo processes; fail (not hang) after ``timeout`` seconds."""
     rendezvous = tmp_path / f"rendezvous-{action}-{world_size}-{time.monotonic_ns()}"
-    context = mp.start_processes(_worker, args=(world_size, str(rendezvous), action, str(root), modes,
-                                                str(tmp_path)),
-                                 nprocs=world_size, join=False, start_method="spawn")
+    context = start_ranks(_worker, (world_size, str(rendezvous), action, str(root), modes, str(tmp_path)),
+                          nprocs=world_size, join=False)
     deadline = time.monotonic() + timeout
     while not context.join(timeout=1):
         if time.monotonic() > deadline:

@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 import torch
 from test_checkpoint import assert_same, load, make_state, save_steps, snapshot, train  # noqa: I001  (beside this file)
-from trainruns import TINY, kill_tree, train_cmd
+from trainruns import CHECKPOINTED, TINY, kill_tree, train_cmd
 
 from traincore.checkpoint import (
     MARKER,
@@ -147,12 +147,9 @@ def test_preflight_names_an_object_store_root_it_cannot_write(s3_server):
 
 # ---- several ranks, through the CLI --------------------------------------------------------------
 
-CONFIG = {**TINY, "checkpoint": {"every": 5}}
-
-
 def train_on_store(data_dir: Path, output: Path, nproc: int, root: str, env: dict, *flags: str) -> str:
-    done = subprocess.run(train_cmd(data_dir, output, nproc, "--checkpoint-dir", root, *flags, config=CONFIG),
-                          capture_output=True, text=True, timeout=300,
+    command = train_cmd(data_dir, output, nproc, "--checkpoint-dir", root, *flags, config=CHECKPOINTED)
+    done = subprocess.run(command, capture_output=True, text=True, timeout=300,
                           env={**os.environ, "OMP_NUM_THREADS": "1", **env})
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     return done.stdout + done.stderr
@@ -163,7 +160,7 @@ def model_weights(root: Store | Path, step: int) -> dict[str, torch.Tensor]:
 
 
 @pytest.mark.parametrize("mode", ["dcp", "async"])
-def test_two_ranks_write_their_own_shards_and_the_root_reshards_on_one_and_three(s3_server, data_dir,
+def test_two_ranks_write_their_own_shards_and_the_root_reshards_on_one_and_three(s3_server, data_dir, saved,
                                                                                  tmp_path, mode):
     s3, uri = s3_server, f"s3://{s3_server.bucket}/ranks-{mode}-{uuid.uuid4().hex[:8]}"
     root = Store(uri, s3.storage_options)
@@ -176,10 +173,7 @@ def test_two_ranks_write_their_own_shards_and_the_root_reshards_on_one_and_three
         assert {"__0_0.distcp", "__1_0.distcp", ".metadata", "extra.pt"} == set(marker["files"])
         assert marker["world_size"] == 2
     # Exactly what the same run writes to a local disk.
-    local = tmp_path / "local"
-    train_on_store(data_dir, local, 2, str(local / "checkpoints"), {}, "--max-steps", "10",
-                   "--checkpoint-mode", mode, "--parallelism", "fsdp")
-    on_disk, in_store = model_weights(local / "checkpoints", 10), model_weights(root, 10)
+    on_disk, in_store = model_weights(saved(f"fsdp-{mode}-2"), 10), model_weights(root, 10)
     assert on_disk.keys() == in_store.keys() and all(torch.equal(on_disk[k], in_store[k]) for k in on_disk)
     # Resharded straight from the store: on 1 rank under DDP, on 3 under FSDP.
     for nproc, parallelism, steps in ((1, "ddp", 15), (3, "fsdp", 20)):

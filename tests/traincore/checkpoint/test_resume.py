@@ -7,6 +7,7 @@ import logging
 import pytest
 
 from traincore.checkpoint import (
+    MARKER,
     Checkpointer,
     CheckpointError,
     RunFit,
@@ -117,3 +118,14 @@ def test_every_corrupt_step_is_refused_before_any_worker(synthetic_dir, tmp_path
         _damage(step_dir(root, step))
     with pytest.raises(CheckpointError, match=r"every complete checkpoint .* corrupt \(steps \[1, 2\]"):
         check_resume(cfg, Manifest.load(synthetic_dir), as_store(root), synthetic_dir)
+
+
+def test_a_torn_save_with_nothing_committed_says_the_run_starts_fresh(tmp_path, caplog):
+    registry = StateRegistry()
+    registry.register("run", RunMeta({}))
+    Checkpointer(tmp_path, CheckpointConfig(), registry).save(3)
+    (step_dir(tmp_path, 3) / MARKER).unlink()  # stopped before its commit
+    caplog.set_level(logging.WARNING)
+    assert choose_step(as_store(tmp_path), None, verify=True) is None
+    assert "no step is committed, so the run starts from the beginning" in caplog.text
+    assert "resuming from the latest committed step" not in caplog.text

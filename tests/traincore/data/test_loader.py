@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
+from ranks import start_ranks
 
 from traincore.config.schema import LoaderConfig
 from traincore.data.loader import (
@@ -77,7 +77,7 @@ def _coverage_worker(rank: int, world_size: int, directory: str, init_file: str,
 
 def test_two_gloo_ranks_cover_the_epoch_exactly_once(synthetic_dir, tmp_path):
     result = tmp_path / "result.pkl"
-    mp.spawn(_coverage_worker, args=(2, str(synthetic_dir), str(tmp_path / "init"), str(result)), nprocs=2)
+    start_ranks(_coverage_worker, (2, str(synthetic_dir), str(tmp_path / "init"), str(result)), nprocs=2)
     per_rank = pickle.loads(result.read_bytes())
     assert [len(batches) for batches in per_rank] == [5, 5]  # 80 samples / (8 x 2 ranks)
     everything = flat(per_rank[0]) + flat(per_rank[1])

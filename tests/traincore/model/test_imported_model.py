@@ -67,6 +67,104 @@ PACKAGE = {
             return [model.stem, *model.blocks]
         ''',
     "acmenet/broken.py": "import a_module_that_is_not_installed\n",
+    "acmenet/exits.py": '''
+        import sys
+
+        from torch import nn
+
+        from acmenet.models import build
+
+
+        def exits(num_classes, in_channels, image_size):
+            sys.exit(0)
+
+
+        def interrupted(num_classes, in_channels, image_size):
+            raise KeyboardInterrupt
+
+
+        def dataset():
+            sys.exit("no data here")
+
+
+        def shard_units(model):
+            sys.exit(3)
+
+
+        class Quits(nn.Module):
+            def forward(self, x):
+                sys.exit(0)
+
+
+        class Broken(nn.Module):
+            def forward(self, x):
+                return self.missing(x)
+
+
+        def quits(num_classes, in_channels, image_size):
+            return Quits()
+
+
+        def broken(num_classes, in_channels, image_size):
+            return Broken()
+        ''',
+    # A training script without `if __name__ == "__main__":`: importing it runs it.
+    "acmenet/script.py": '''
+        import sys
+
+        from acmenet.models import build
+
+        sys.exit(0)
+        ''',
+    # Factories that take none of the data's arguments, or hand them all on (as torchvision's builders do).
+    "acmenet/fixed.py": '''
+        from torch import nn
+
+
+        def rgb_net(image_size):
+            return nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.ReLU(), nn.AdaptiveAvgPool2d(1),
+                                 nn.Flatten(), nn.Linear(8, 1000))
+
+
+        def lazy():
+            return nn.Sequential(nn.LazyConv2d(4, 3), nn.AdaptiveAvgPool2d(1), nn.Flatten(),
+                                 nn.Linear(4, 1000))
+
+
+        def grouped():
+            return nn.Sequential(nn.Conv2d(3, 6, 3, groups=3), nn.AdaptiveAvgPool2d(1), nn.Flatten(),
+                                 nn.Linear(6, 1000))
+
+
+        class Classifier(nn.Module):
+            def __init__(self, num_classes, width=4):
+                super().__init__()
+                self.net = nn.Sequential(nn.Conv2d(3, width, 3), nn.AdaptiveAvgPool2d(1), nn.Flatten(),
+                                         nn.Linear(width, num_classes))
+
+            def forward(self, x):
+                return self.net(x)
+
+
+        def forwarding(**kwargs):
+            return Classifier(**kwargs)
+
+
+        class Branchy(nn.Module):
+            """Reads a value in its forward, which tensors on the meta device do not have."""
+
+            def __init__(self, num_classes):
+                super().__init__()
+                self.head = nn.Linear(3, num_classes)
+
+            def forward(self, x):
+                x = x.mean(dim=(2, 3))
+                return self.head(x) if float(x.abs().sum()) >= 0 else -self.head(x)
+
+
+        def branchy(num_classes):
+            return Branchy(num_classes)
+        ''',
     "acmenet/data.py": '''
         import numpy as np
         from sklearn.datasets import load_digits
@@ -230,12 +328,15 @@ def test_an_imported_model_trains_on_two_workers_resumes_exports_and_evaluates(p
     assert warm.val_accuracy >= scratch.val_accuracy + 0.2
 
 
-def test_a_bad_factory_fails_the_cli_before_any_worker_starts(package, digits_dir, tmp_path):
-    config = json.dumps({"model": {"name": "acmenet.models:not_a_model"}})
+@pytest.mark.parametrize("factory", ["acmenet.models:not_a_model", "acmenet.exits:exits"])
+def test_a_bad_factory_fails_the_cli_before_any_worker_starts(package, digits_dir, tmp_path, factory):
+    """A factory that returns no module, or calls sys.exit(0) (which once ended the run with exit code 0 and
+    nothing written), is one error line and exit code 2."""
+    config = json.dumps({"model": {"name": factory}})
     done = _cli("traincore.train", "--data", str(digits_dir), "--output", str(tmp_path / "run"), "--preset",
                 "debug", "--config", config, "--nproc-per-node", "2")
     assert done.returncode == 2
-    assert done.stderr.strip().splitlines()[-1].startswith("error: model.name='acmenet.models:not_a_model':")
+    assert done.stderr.strip().splitlines()[-1].startswith(f"error: model.name={factory!r}:")
     assert "global batch" not in done.stderr  # no worker reached its loader
     assert not (tmp_path / "run" / "checkpoints").exists()
 
@@ -248,3 +349,94 @@ def test_the_module_hook_may_only_name_parts_of_the_model(package, monkeypatch):
     with pytest.raises(ModelImportError, match="returned modules that are not part of the model"):
         shard_units(model, "acmenet.hooked:build")
     assert isinstance(model(torch.zeros(2, 1, 8, 8)), torch.Tensor)
+
+
+def test_a_sys_exit_in_the_users_code_is_an_error_naming_it(package):
+    """sys.exit() in a factory, in a module's import (a script without its `if __name__ == "__main__":`),
+    in a shard_units hook or in a data source's factory would end the run quietly, with exit code 0 for
+    sys.exit(0): each is an error naming the code instead. KeyboardInterrupt still stops the run."""
+    from traincore.data.manifest import StagingError
+    from traincore.data.pysource import open_dataset
+
+    shape = (1, 8, 8)
+    exits = {
+        "acmenet.exits:exits": "model.name='acmenet.exits:exits': acmenet.exits:exits() called sys.exit(0)",
+        "acmenet.script:build": "model.name='acmenet.script:build': importing module acmenet.script called "
+                                "sys.exit(0)",
+    }
+    for name, expected in exits.items():
+        with pytest.raises(ModelImportError, match=r"if __name__ == \"__main__\"") as error:
+            check_model_input(ModelConfig(name=name), 10, shape, "the data")
+        assert str(error.value).startswith(expected), str(error.value)
+    with pytest.raises(ModelImportError, match=r"'acmenet.exits:quits': its forward called sys.exit\(0\)"):
+        check_model_input(ModelConfig(name="acmenet.exits:quits"), 10, shape, "the data")
+    with pytest.raises(ValueError, match=r"'acmenet.exits:broken': its forward on the data \(zeros of shape "
+                                         r"\(1, 8, 8\)\) raised AttributeError: .*'missing': fix the model"):
+        check_model_input(ModelConfig(name="acmenet.exits:broken"), 10, shape, "the data")
+    model = build_model(ModelConfig(name="acmenet.exits:build"), 10, shape)
+    with pytest.raises(ModelImportError, match=r"its module's shard_units\(model\) called sys.exit\(3\)"):
+        shard_units(model, "acmenet.exits:build")
+    with pytest.raises(StagingError, match=r"acmenet.exits:dataset\(\) called sys.exit\('no data here'\)"):
+        open_dataset("acmenet.exits:dataset")
+    with pytest.raises(KeyboardInterrupt):
+        build_model(ModelConfig(name="acmenet.exits:interrupted"), 10, shape)
+
+
+def test_a_model_that_reads_values_in_its_forward_is_checked_on_cpu(package):
+    """Preflight runs an imported model on the meta device, which has no values: one whose forward reads
+    one (.item(), a branch on a tensor) is checked on CPU zeros instead of being refused."""
+    check_model_input(ModelConfig(name="acmenet.fixed:branchy"), 10, (3, 8, 8), "the data")
+    with pytest.raises(ValueError, match=r"'acmenet.fixed:branchy' cannot take the data: samples of shape "
+                                         r"\(1, 8, 8\) .*mat1 and mat2 shapes cannot be multiplied"):
+        check_model_input(ModelConfig(name="acmenet.fixed:branchy"), 10, (1, 8, 8), "the data")
+
+
+def test_a_torchvision_builder_is_called_with_what_it_takes_and_fitted_to_the_data(package, caplog):
+    """torchvision.models:resnet18 (whose **kwargs reach ResNet, which takes num_classes only) trains on
+    one-channel data: called with num_classes, its RGB stem replaced by one for the data's channels. A
+    factory that takes none of the three gets its head fitted too; one whose stem cannot be refit says what
+    to write."""
+    import logging
+
+    caplog.set_level(logging.INFO)
+    shape = (1, 16, 16)
+    resnet = ModelConfig(name="torchvision.models:resnet18")
+    check_model_input(resnet, 10, shape, "the data")  # on the meta device
+    model = build_model(resnet, 10, shape)
+    assert (model.conv1.in_channels, model.conv1.out_channels, model.fc.out_features) == (1, 64, 10)
+    assert ("its first layer conv1 (a Conv2d for 3 channels) is replaced by a fresh one for the data's 1"
+            in caplog.text)
+
+    fixed = build_model(ModelConfig(name="acmenet.fixed:rgb_net"), 10, shape)
+    assert fixed[0].in_channels == 1 and fixed[-1].out_features == 10
+    assert fixed(torch.zeros(2, *shape)).shape == (2, 10)
+    assert "its last layer 4 (a Linear of 1000 outputs) is replaced by a fresh one of 10" in caplog.text
+    lazy = build_model(ModelConfig(name="acmenet.fixed:lazy"), 10, shape)  # fits its first input itself
+    assert isinstance(lazy[0], nn.LazyConv2d) and lazy(torch.zeros(2, *shape)).shape == (2, 10)
+    forwarded = build_model(ModelConfig(name="acmenet.fixed:forwarding", kwargs={"width": 6}), 10, shape)
+    assert forwarded.net[0].in_channels == 1 and forwarded.net[-1].out_features == 10
+    with pytest.raises(ModelImportError, match=r"first layer 0 is a grouped Conv2d for 3 channels, "
+                                               r"which cannot be refit to the data's 1: write a factory of "
+                                               r"your own that takes in_channels"):
+        build_model(ModelConfig(name="acmenet.fixed:grouped"), 10, shape)
+    # A misspelt argument of the user's own is never dropped: it is the user's to fix.
+    with pytest.raises(ModelImportError, match=r"forwarding\(num_classes=10, widht=6\) raised TypeError: "
+                                               r".*unexpected keyword argument 'widht'"):
+        build_model(ModelConfig(name="acmenet.fixed:forwarding", kwargs={"widht": 6}), 10, shape)
+
+
+def test_preflight_checks_the_fsdp_units_of_an_imported_model(package, synthetic_dir, monkeypatch):
+    """Under FSDP a module's shard_units hook runs in every worker: preflight runs it first."""
+    import acmenet.hooked
+
+    from traincore.run.preflight import preflight
+
+    config = debug().with_overrides({"model.name": "acmenet.hooked:build", "dist.parallelism": "fsdp",
+                                     "telemetry.tensorboard": False})
+    preflight(config, synthetic_dir)
+    monkeypatch.setattr(acmenet.hooked, "shard_units", lambda model: [nn.Linear(2, 2)])
+    with pytest.raises(ModelImportError, match="returned modules that are not part of the model"):
+        preflight(config, synthetic_dir)
+    monkeypatch.setattr(acmenet.hooked, "shard_units", lambda model: model.missing)
+    with pytest.raises(ModelImportError, match=r"its module's shard_units\(model\) raised AttributeError"):
+        preflight(config, synthetic_dir)

@@ -1,6 +1,6 @@
 """Process-group lifecycle with real gloo ranks on the CPU, and the launcher-env and backend checks.
 
-Two-rank tests spawn processes that read the torchrun variables (MASTER_ADDR/PORT, RANK, WORLD_SIZE,
+Two-rank tests start processes that read the torchrun variables (MASTER_ADDR/PORT, RANK, WORLD_SIZE,
 LOCAL_RANK) like a real launch; each rank writes what it observed to a JSON file that the test checks.
 """
 
@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
+from ranks import start_ranks
 
 from traincore.config.schema import CheckpointConfig, DistConfig
 from traincore.run.dist import (
@@ -53,8 +53,8 @@ def two_rank_env(monkeypatch) -> None:
 
 
 def run_ranks(worker, tmp_path: Path) -> list[dict]:
-    """Run ``worker(rank, out_dir)`` as ranks 0 and 1; return what each rank recorded."""
-    mp.spawn(_as_rank, args=(worker, str(tmp_path)), nprocs=2, join=True)
+    """Run ``worker(rank, out_dir)`` as ranks 0 and 1 (forked children); return what each rank recorded."""
+    start_ranks(_as_rank, (worker, str(tmp_path)), nprocs=2)
     return [json.loads((tmp_path / f"rank{rank}.json").read_text()) for rank in range(2)]
 
 

@@ -8,12 +8,11 @@ import os
 import shutil
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 import torch
 from safetensors.torch import load_file
-from trainruns import final_weights, killed_and_resumed, run_train
+from trainruns import CHECKPOINTED, final_weights, killed_and_resumed, run_train
 
 from traincore.artifacts.export import export
 from traincore.checkpoint import complete_steps
@@ -22,76 +21,63 @@ from traincore.model.build import build_model, shard_units
 
 FSDP = ("--parallelism", "fsdp")
 
-# Run under torchrun: build a Trainer on a checkpoint root (a Trainer loads the latest checkpoint when it is
-# built), compare the whole state it loaded with the checkpoint's files read by torch's own tools, bit for
-# bit, before any step; then train to the end. Rank 0 writes what it found to argv[5].
+# `python check_loaded.py DATA ROOT PARALLELISM STEPS REPORT CONFIG NPROC`: on NPROC ranks (torch elastic's
+# workers, forked from this process as the train CLI forks its own), build a Trainer on a checkpoint root (a
+# Trainer loads the latest checkpoint when it is built), compare the whole state it loaded with the
+# checkpoint's files read by torch's own tools, bit for bit, before any step; then train to the end. Rank 0
+# writes what it found to REPORT.
 CHECK_LOADED = r'''
 import json, sys
-from pathlib import Path
-import torch, torch.distributed as dist
+import torch, torch._dynamo, torch.distributed as dist  # torch._dynamo: the optimizer's, imported once here
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 from traincore.checkpoint import latest_complete, read_marker
 from traincore.config.presets import build_config
+from traincore.run.launch import launch_local
 from traincore.run.state import ModelState, OptimizerState
 from traincore.run.trainer import Trainer
 
-data, root, parallelism, steps, report = sys.argv[1:6]
-config = json.loads(sys.argv[6])
-cfg = build_config("debug", config, {"dist.parallelism": parallelism, "train.max_steps": int(steps)})
-latest = latest_complete(root)
-trainer = Trainer(cfg, data, Path(root).parent / "continued", root)
-loaded = {"model": ModelState(trainer.model).full_state_dict(),
-          "optimizer": OptimizerState(trainer.model, trainer.optimizer).full_state_dict()}
-if (dist.get_rank() if dist.is_initialized() else 0) == 0:
-    if read_marker(latest)["format"] == "torch_save":
-        saved = torch.load(latest / "state.pt", weights_only=True)["shared"]
-    else:
-        dcp_to_torch_save(latest, Path(root).parent / "saved.pt")
-        saved = torch.load(Path(root).parent / "saved.pt", weights_only=True)
 
-    def tensors(tree, prefix=""):
-        for key, value in tree.items():
-            if isinstance(value, dict):
-                yield from tensors(value, f"{prefix}{key}.")
-            elif isinstance(value, torch.Tensor):
-                yield f"{prefix}{key}", value
+def tensors(tree, prefix=""):
+    for key, value in tree.items():
+        if isinstance(value, dict):
+            yield from tensors(value, f"{prefix}{key}.")
+        elif isinstance(value, torch.Tensor):
+            yield f"{prefix}{key}", value
 
-    mine = dict(tensors(loaded))
-    theirs = {name: value for name, value in tensors(saved) if name.split(".")[0] in loaded}
-    different = [name for name in theirs if name not in mine or not torch.equal(mine[name], theirs[name])]
-    Path(report).write_text(json.dumps({"step": trainer.progress.step, "compared": len(theirs),
-                                        "different": different, "world_size": trainer.ctx.world_size}))
-summary = trainer.train()
-assert summary.steps == int(steps) and summary.resumed_from == int(latest.name.split("-")[1])
+
+def check(data, root, parallelism, steps, report, config):
+    cfg = build_config("debug", config, {"dist.parallelism": parallelism, "train.max_steps": int(steps)})
+    latest = latest_complete(root)
+    trainer = Trainer(cfg, data, Path(root).parent / "continued", root)
+    loaded = {"model": ModelState(trainer.model).full_state_dict(),
+              "optimizer": OptimizerState(trainer.model, trainer.optimizer).full_state_dict()}
+    if (dist.get_rank() if dist.is_initialized() else 0) == 0:
+        if read_marker(latest)["format"] == "torch_save":
+            saved = torch.load(latest / "state.pt", weights_only=True)["shared"]
+        else:
+            dcp_to_torch_save(latest, Path(root).parent / "saved.pt")
+            saved = torch.load(Path(root).parent / "saved.pt", weights_only=True)
+        mine = dict(tensors(loaded))
+        theirs = {name: value for name, value in tensors(saved) if name.split(".")[0] in loaded}
+        different = [name for name in theirs if name not in mine or not torch.equal(mine[name], theirs[name])]
+        Path(report).write_text(json.dumps({"step": trainer.progress.step, "compared": len(theirs),
+                                            "different": different, "world_size": trainer.ctx.world_size}))
+    summary = trainer.train()
+    assert summary.steps == int(steps) and summary.resumed_from == int(latest.name.split("-")[1])
+
+
+if __name__ == "__main__":
+    launch_local(check, (*sys.argv[1:6], json.loads(sys.argv[6])), int(sys.argv[7]))
 '''
 
-CONFIG = {"model": {"name": "small_cnn", "width": 8}, "optim": {"lr": 3e-3, "warmup_steps": 2},
-          "loader": {"batch_size": 8}, "telemetry": {"log_every": 2}, "checkpoint": {"every": 5}}
+CONFIG = CHECKPOINTED  # the config of conftest.py's ``saved`` runs, which these continue
 
 
-def torchrun(nproc: int, *args: str) -> subprocess.CompletedProcess:
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
-               *args]
-    done = subprocess.run(command, capture_output=True, text=True, timeout=300,
+def run_script(*args: str) -> subprocess.CompletedProcess:
+    done = subprocess.run([sys.executable, *args], capture_output=True, text=True, timeout=300,
                           env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     return done
-
-
-@pytest.fixture(scope="module")
-def saved(data_dir, tmp_path_factory):
-    """Checkpoint roots at step 10 by how they were written: '<parallelism>-<mode>-<ranks>'."""
-    roots = {}
-
-    def get(name: str) -> Path:
-        if name not in roots:
-            parallelism, mode, nproc = name.split("-")
-            out = tmp_path_factory.mktemp(name)
-            run_train(data_dir, out, int(nproc), "--max-steps", "10", "--checkpoint-mode", mode,
-                      "--parallelism", parallelism, config=CONFIG)
-            roots[name] = out / "checkpoints"
-        return roots[name]
-    return get
 
 
 @pytest.mark.parametrize("written, nproc, parallelism", [
@@ -104,7 +90,8 @@ def test_a_checkpoint_continues_on_another_world_size_and_parallelism(saved, dat
     shutil.copytree(saved(written), root)
     script, report = tmp_path / "check_loaded.py", tmp_path / "report.json"
     script.write_text(CHECK_LOADED)
-    torchrun(nproc, str(script), str(data_dir), str(root), parallelism, "15", str(report), json.dumps(CONFIG))
+    run_script(str(script), str(data_dir), str(root), parallelism, "15", str(report), json.dumps(CONFIG),
+               str(nproc))
     found = json.loads(report.read_text())
     assert found["step"] == 10 and found["world_size"] == nproc
     assert found["compared"] > 10 and found["different"] == [], found  # model and optimizer, bit for bit

@@ -58,6 +58,9 @@ TWO = ["--nproc-per-node", "2"]
     ("digits", [*TWO, "--config", '{"loader": {"batch_size": 0}}'], "loader.batch_size=0"),
     ("digits", [*TWO, "--config", '{"loader": {"batch_size": 100000}}'], "lower loader.batch_size"),
     ("absent", TWO, "is not a staged dataset"),
+    # One process would fit a step in the digits' training split; two take twice the samples per step.
+    ("digits", [*TWO, "--config", '{"loader": {"batch_size": 500}, "train": {"grad_accum_steps": 2}}'],
+     "x 2 process(es) = 2000 samples per optimizer step exceed"),
     ("digits", ["--nproc-per-node", "0"], "--nproc-per-node=0 is invalid"),
     ("digits", [*TWO, "--max-restarts", "-1"], "--max-restarts=-1 is invalid"),
     ("digits", ["--max-restarts", "1"], "add --nproc-per-node N"),

@@ -3,8 +3,11 @@ grace timer are the run's only."""
 
 from __future__ import annotations
 
+import logging
 import os
 import signal
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -13,10 +16,12 @@ from test_dist import CFG, run_ranks, two_rank_env  # noqa: F401  (a module besi
 
 from traincore.run.dist import distributed
 from traincore.run.preemption import (
+    PREEMPTED_EXIT_CODE,
     PREEMPTION_SIGNALS,
     Preempted,
     PreemptionWatch,
     clear_record,
+    grace_warning,
     read_record,
     write_record,
 )
@@ -26,12 +31,18 @@ def test_the_record_says_where_the_run_stopped_and_what_it_saved(tmp_path):
     saved = Preempted(412, "SIGTERM", str(tmp_path / "step-000412"))
     assert str(saved) == (f"preempted at step 412 by SIGTERM: checkpoint step-412 saved in {tmp_path}; the "
                           "same command resumes from it")
-    lost = Preempted(7, "SIGINT", None)
+    lost = Preempted(7, "SIGINT", None, resumes_from=5)
     assert str(lost) == ("preempted at step 7 by SIGINT: no checkpoint of it was saved; the same command "
-                         "resumes from the last complete one")
+                         "resumes from the committed step 5")
+    # Nothing committed before either: never a word about a checkpoint to resume from.
+    assert str(Preempted(3, "SIGTERM", None)) == (
+        "preempted at step 3 by SIGTERM: no checkpoint of it was saved; nothing is committed, so the same "
+        "command starts from the beginning")
     assert read_record(tmp_path) is None
     write_record(tmp_path / "root", saved)
     assert str(read_record(tmp_path / "root")) == str(saved)
+    write_record(tmp_path / "root", lost)
+    assert str(read_record(tmp_path / "root")) == str(lost)
     clear_record(tmp_path / "root")
     assert read_record(tmp_path / "root") is None
     (tmp_path / "root" / "preempted.json").write_text("{torn")
@@ -53,10 +64,75 @@ def test_a_signal_becomes_a_stop_and_closing_restores_the_handlers_and_stops_the
     time.sleep(1.5)
 
 
+# A process whose grace runs out: argv[1] "main" or "other" (the rank that prints), argv[2] "quick" or
+# "hang" (a records copy to a store that never answers). It says "ready", then waits to be signalled.
+OUT_OF_GRACE = """
+import sys, threading
+from traincore.run.preemption import PreemptionWatch
+
+def copy():
+    print("copying", flush=True)
+    if sys.argv[2] == "hang":
+        threading.Event().wait()
+    print("copied", flush=True)
+
+stays = "the committed checkpoint step 40 in /ckpt stays the one a resume loads"
+watch = PreemptionWatch(grace_s=0.2, main=sys.argv[1] == "main", committed=lambda: stays)
+watch.last_copy = copy
+print("ready", flush=True)
+threading.Event().wait()
+"""
+
+
+def test_a_grace_that_runs_out_copies_the_records_in_the_time_left_and_one_rank_says_so():
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "TORCH_ELASTIC_SHUTDOWN_TIMEOUT": "3"}
+    runs = {case: subprocess.Popen([sys.executable, "-c", OUT_OF_GRACE, *case], env=env, text=True,
+                                   stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+            for case in (("main", "quick"), ("other", "hang"))}
+    took = {}
+    for case, process in runs.items():
+        assert process.stdout.readline() == "ready\n", process.stderr.read()
+        sent = time.monotonic()
+        process.send_signal(signal.SIGTERM)
+        assert process.wait(timeout=10) == PREEMPTED_EXIT_CODE
+        took[case] = time.monotonic() - sent
+    out = {case: (process.stdout.read(), process.stderr.read()) for case, process in runs.items()}
+    assert out["main", "quick"] == ("copying\ncopied\n", (
+        "preempted by SIGTERM: the step and its checkpoint did not finish within "
+        "checkpoint.preemption_grace_s=0.2; exiting: the committed checkpoint step 40 in /ckpt stays the one "
+        "a resume loads\n"))
+    stdout, stderr = out["other", "hang"]
+    assert stdout == "copying\n" and "did not finish in the" in stderr, stderr
+    assert "preempted by" not in stderr  # one rank speaks for the run
+    # The copy had what was left before the launcher's SIGKILL (3 s after the signal, less a 1 s margin),
+    # and the process still exited before that SIGKILL.
+    assert 1.5 < took["other", "hang"] < 3, took
+
+
+def test_a_grace_the_launchers_sigkill_cuts_short_is_named_with_the_limit_and_the_fix(monkeypatch, caplog):
+    assert grace_warning(20, {}) is None
+    default = grace_warning(45, {})
+    assert default.startswith("checkpoint.preemption_grace_s=45 is not under the 30 s after which a "
+                              "signalled worker is SIGKILLed (TORCH_ELASTIC_SHUTDOWN_TIMEOUT")
+    assert "Lower checkpoint.preemption_grace_s under 30" in default
+    assert "TORCH_ELASTIC_SHUTDOWN_TIMEOUT" in default and "terminationGracePeriodSeconds" in default
+    lowered = grace_warning(20, {"TORCH_ELASTIC_SHUTDOWN_TIMEOUT": "15"})
+    assert "under the 15 s after which a signalled worker is SIGKILLed (TORCH_ELASTIC_SHUTDOWN_TIMEOUT=15)" \
+        in lowered
+    assert grace_warning(45, {"PET_SHUTDOWN_TIMEOUT": "60", "TORCH_ELASTIC_SHUTDOWN_TIMEOUT": "15"}) is None
+    # A run says it once, on its main rank.
+    for name in ("PET_SHUTDOWN_TIMEOUT", "TORCH_ELASTIC_SHUTDOWN_TIMEOUT"):
+        monkeypatch.delenv(name, raising=False)
+    with caplog.at_level(logging.WARNING, logger="traincore.run.preemption"):
+        for main in (True, False):
+            PreemptionWatch(grace_s=45, main=main).close()
+    assert [record.getMessage() for record in caplog.records] == [default]
+
+
 def _stop_step(rank: int, out_dir: Path) -> dict:
     """Steps 1..20; only rank 1 is signalled, after its step 3. The step after which each rank stops."""
     with distributed(CFG):
-        watch = PreemptionWatch(grace_s=30.0, world_size=2)
+        watch = PreemptionWatch(grace_s=20.0, world_size=2)
         try:
             for step in range(1, 21):
                 if rank == 1 and step == 3:
@@ -81,7 +157,7 @@ def _save_steps(rank: int, out_dir: Path) -> dict:
     """Steps 1..10; each rank's interval runs out at a step of its own (rank 0 after step 6, rank 1 after
     step 3, and says so until it saved). The steps at which each rank saves."""
     with distributed(CFG):
-        watch = PreemptionWatch(grace_s=30.0, world_size=2)
+        watch = PreemptionWatch(grace_s=20.0, world_size=2)
         saved, due_from = [], 6 if rank == 0 else 3
         try:
             for step in range(1, 11):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import gc
+import hashlib
 import json
 import os
 import subprocess
@@ -140,3 +141,115 @@ def test_a_trainer_is_complete_once_built_and_restores_process_settings(data_dir
     with Trainer(cfg.with_overrides({"train.max_steps": 6}), data_dir, tmp_path / "run") as second:
         assert second.resumed_from == 4 and second.progress.step == 4  # loaded at construction
     assert process_settings() == before
+
+
+# Run under torchrun: a Trainer warm-starts from argv[3] (init_exclude head.*) under FSDP on two ranks; rank 0
+# gathers the whole model it built and writes which tensors equal the file's to argv[4].
+WARM_SHARDED = r'''
+import json, sys
+from pathlib import Path
+import torch
+from safetensors.torch import load_file
+from torch.distributed.tensor import DTensor
+from traincore.config.presets import build_config
+from traincore.run.state import ModelState
+from traincore.run.trainer import Trainer
+
+data, out, weights, report = sys.argv[1:5]
+config = {"model": {"name": "small_cnn", "width": 8, "init_from": weights, "init_exclude": ["head.*"]}}
+cfg = build_config("debug", config, {"dist.parallelism": "fsdp", "telemetry.tensorboard": False})
+with Trainer(cfg, data, out) as trainer:
+    sharded = any(isinstance(p, DTensor) for p in trainer.model.parameters())
+    loaded = ModelState(trainer.model).full_state_dict()
+    if trainer.ctx.is_main:
+        saved = load_file(weights)
+        same = sorted(name for name in loaded if torch.equal(loaded[name], saved[name]))
+        found = {"same": same, "sharded": sharded, "init": trainer.run_meta["init"]}
+        Path(report).write_text(json.dumps(found))
+'''
+
+
+def _start_weights(tmp_path, seed: int = 7):
+    from safetensors.torch import save_file
+
+    from traincore.model.build import build_model
+
+    state = build_model(ModelConfig(name="small_cnn", width=8), 4, (3, 12, 12), seed=seed).state_dict()
+    save_file(state, tmp_path / "start.safetensors")
+    return tmp_path / "start.safetensors", state
+
+
+def test_a_sharded_run_warm_starts_every_rank_from_the_file(data_dir, tmp_path):
+    """The warm start loads into the model as the run holds it (here sharded by FSDP on two ranks): the
+    whole model gathered afterwards is the file's, but for the excluded head."""
+    weights, state = _start_weights(tmp_path)
+    script = tmp_path / "warm.py"
+    script.write_text(WARM_SHARDED)
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
+               str(script), str(data_dir), str(tmp_path / "run"), str(weights), str(tmp_path / "report.json")]
+    done = subprocess.run(command, capture_output=True, text=True, timeout=300,
+                          env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    report = json.loads((tmp_path / "report.json").read_text())
+    assert report["sharded"]
+    assert report["same"] == sorted(name for name in state if not name.startswith("head."))
+    assert report["init"]["from"] == str(weights) and len(report["init"]["sha256"]) == 64
+
+
+def test_a_warm_start_takes_the_checkpointers_decision_and_lists_nothing_itself(data_dir, tmp_path,
+                                                                                 monkeypatch):
+    """Whether the run resumes is the checkpointer's choice, made once: the warm start lists nothing of its
+    own in the checkpoint root (in an object store, each listing is a round trip on every rank), and a
+    resumed run never reads the file."""
+    from traincore.checkpoint import Store
+    from traincore.config.schema import Config
+    from traincore.run.trainer import Trainer
+
+    weights, state = _start_weights(tmp_path)
+    cfg = Config().with_overrides({**TINY, "train": {"max_steps": 2}, "telemetry": {"tensorboard": False}})
+    warm = cfg.with_overrides({"model.init_from": str(weights)})
+    listings: list[str] = []
+    entries = Store.entries
+    monkeypatch.setattr(Store, "entries", lambda store: listings.append(store.uri) or entries(store))
+
+    counts = []
+    for config, run in ((cfg, "cold"), (warm, "warm")):
+        listings.clear()
+        with Trainer(config, data_dir, tmp_path / run) as trainer:
+            counts.append(listings.count(str(tmp_path / run / "checkpoints")))
+    assert counts[0] == counts[1], counts
+    assert torch.equal(trainer.model.head[2].weight, state["head.2.weight"])
+
+    Trainer(warm, data_dir, tmp_path / "warm").train()
+    weights.unlink()  # a resumed run has no use for it
+    with Trainer(warm.with_overrides({"train.max_steps": 4}), data_dir, tmp_path / "warm") as resumed:
+        assert resumed.resumed_from == 2 and resumed.run_meta["init"]["from"] == str(weights)
+
+
+def test_a_warm_start_reads_an_object_store_file_with_the_checkpoint_roots_credentials(s3_server, data_dir,
+                                                                                       tmp_path, monkeypatch):
+    """A task hands the Trainer its checkpoint root with the store's credentials and endpoint (Flyte's
+    settings, a mounted secret), not the environment: an init_from in the same store is read with them."""
+    import uuid
+
+    from traincore.checkpoint import Store
+    from traincore.config.schema import Config
+    from traincore.run.trainer import Trainer
+
+    for name in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN", "AWS_PROFILE",
+                 "AWS_ENDPOINT_URL"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("AWS_SHARED_CREDENTIALS_FILE", str(tmp_path / "none"))
+    monkeypatch.setenv("AWS_CONFIG_FILE", str(tmp_path / "none"))
+    monkeypatch.setenv("AWS_EC2_METADATA_DISABLED", "true")
+    weights, state = _start_weights(tmp_path)
+    prefix = f"warm-{uuid.uuid4().hex[:8]}"
+    s3_server.client().put_object(Bucket=s3_server.bucket, Key=f"{prefix}/start.safetensors",
+                                  Body=weights.read_bytes())
+    uri = f"s3://{s3_server.bucket}/{prefix}/start.safetensors"
+    root = Store(f"s3://{s3_server.bucket}/{prefix}/checkpoints", s3_server.storage_options)
+    cfg = Config().with_overrides({**TINY, "train": {"max_steps": 2}, "telemetry": {"tensorboard": False},
+                                   "model": {**TINY["model"], "init_from": uri}})
+    with Trainer(cfg, data_dir, tmp_path / "run", root) as trainer:  # preflight, then the warm start
+        assert torch.equal(trainer.model.head[2].weight, state["head.2.weight"])
+        assert trainer.run_meta["init"]["sha256"] == hashlib.sha256(weights.read_bytes()).hexdigest()

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
+from ranks import start_ranks
 from torch import nn
 
 from traincore.config.schema import TelemetryConfig
@@ -134,7 +134,7 @@ def _two_rank_worker(rank: int, tmp: str) -> None:
 def test_two_ranks_only_rank0_writes_and_loss_is_the_global_mean(tmp_path):
     for rank in (0, 1):
         (tmp_path / f"rank{rank}").mkdir()
-    mp.spawn(_two_rank_worker, args=(str(tmp_path),), nprocs=2, join=True)
+    start_ranks(_two_rank_worker, (str(tmp_path),), nprocs=2)
     assert list((tmp_path / "rank1").iterdir()) == []
     records = read_jsonl(tmp_path / "rank0" / "metrics.jsonl")
     # rank r logs loss step * (r + 1): steps 1-2 give (1 + 2 + 2 + 4) / 4, steps 3-4 (3 + 4 + 6 + 8) / 4
