@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import numpy as np
@@ -81,6 +81,15 @@ def isolated_local_cache(tmp_path_factory):
         patch.setattr(local_cache, "CACHE_LOCATION", str(tmp_path_factory.mktemp("flyte-local-cache")))
         patch.setattr(local_cache.LocalTaskCache, "_initialized", False)
         yield
+
+
+@pytest.fixture
+def listening_port() -> Iterator[int]:
+    """A 127.0.0.1 port that takes connections and answers nothing (tests/ports.py)."""
+    from ports import listening
+
+    with listening() as port:
+        yield port
 
 
 @pytest.fixture(scope="session")

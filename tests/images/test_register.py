@@ -11,10 +11,10 @@ import shlex
 import socket
 import subprocess
 import sys
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from ports import closed_port
 
 REPO = Path(__file__).resolve().parents[2]
 REGISTER = REPO / "scripts" / "register"
@@ -47,22 +47,6 @@ The above exception was the direct cause of the following exception:
 RuntimeError: Failed to get signed url for\x20
 fast08bb18e6054b5dba099888a2f90cd3ab.tar.gz.
 """
-
-
-def closed_port() -> int:
-    """A local port nothing listens on: bound once to get a free number, then closed."""
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
-@pytest.fixture
-def listening_port() -> Iterator[int]:
-    """A local port that takes TCP connections (and answers nothing)."""
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        sock.listen()
-        yield sock.getsockname()[1]
 
 
 def ini_config(path: Path, port: int) -> Path:

@@ -8,12 +8,12 @@ would. The cluster shares this machine's filesystem, so pytest's tmp_path serves
 from __future__ import annotations
 
 import asyncio
-import socket
 import time
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 
 import pytest
+from ports import closed_port
 
 from tasks.slurm.client import SlurmClient
 from tasks.slurm.ssh import SlurmConnectionError, SlurmTarget, connect, host_alias_known
@@ -129,12 +129,6 @@ def test_sbatch_rejection_and_unknown_jobs(slurm_cluster, tmp_path):
     run(main())
 
 
-def free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
-
-
 CONNECT_TIMEOUT_S = 5.0
 MARGIN_S = 3.0
 
@@ -150,7 +144,7 @@ def test_connection_errors_are_specific_and_bounded(slurm_cluster, tmp_path, cas
     empty_known_hosts.write_text("")
     targets = {
         "wrong-host": SlurmTarget("slurm-loopback-nonexistent.invalid", connect_timeout_s=CONNECT_TIMEOUT_S),
-        "wrong-port": SlurmTarget(slurm_cluster, port=free_port(), connect_timeout_s=CONNECT_TIMEOUT_S),
+        "wrong-port": SlurmTarget(slurm_cluster, port=closed_port(), connect_timeout_s=CONNECT_TIMEOUT_S),
         "unknown-host-key": SlurmTarget(slurm_cluster, known_hosts=str(empty_known_hosts),
                                         connect_timeout_s=CONNECT_TIMEOUT_S),
         "missing-key": SlurmTarget(slurm_cluster, key_file=str(tmp_path / "no-such-key"),

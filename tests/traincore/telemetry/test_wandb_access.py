@@ -6,14 +6,13 @@ from __future__ import annotations
 import http.server
 import json
 import os
-import socket
 import subprocess
 import sys
 import threading
 import time
-from collections.abc import Iterator
 
 import pytest
+from ports import closed_port
 from wandb_server import WandbStub
 
 from traincore.config.presets import debug
@@ -37,22 +36,6 @@ def _isolated_wandb(monkeypatch, tmp_path):
     for name in ("WANDB_CONFIG_DIR", "WANDB_CACHE_DIR", "WANDB_DATA_DIR"):
         monkeypatch.setenv(name, str(tmp_path / "wandb-home"))
     monkeypatch.setenv("WANDB_SILENT", "true")
-
-
-def closed_port() -> int:
-    """A localhost port nothing listens on: bound, then closed again."""
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
-@pytest.fixture
-def listening_port() -> Iterator[int]:
-    """A localhost port a socket listens on (connections queue; nothing answers them)."""
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        sock.listen()
-        yield sock.getsockname()[1]
 
 
 def test_online_mode_without_a_way_to_the_server_fails_preflight_fast_and_names_the_fix(
