@@ -15,6 +15,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from ranks import start_script
+
 # Tiny, fast and deterministic: a CNN of width 8 on 12x12 synthetic images, logging every step.
 TINY = {"model": {"name": "small_cnn", "width": 8}, "optim": {"lr": 3e-3, "warmup_steps": 2},
         "loader": {"batch_size": 8}, "telemetry": {"log_every": 1, "tensorboard": False}}
@@ -199,33 +201,7 @@ def signal_pending(pid: int, sig: int) -> bool:
     return any(mask & (1 << (sig - 1)) for mask in masks)
 
 
-# ---- checkpoint faults: child processes forked from a server that has torch imported ----------------------
-
-# A forked child starts in ~0.1 s instead of the 3-8 s an import of torch takes on a busy 2-core machine, so
-# the checkpoint fault tests can afford dozens of real processes. Each child is a fresh process (nothing of
-# the test's state in it) that runs a script the test wrote, as `python script.py args` would.
-# (DDP imports torch._dynamo: 3-7 s.)
-FORK_PRELOAD = ["torch", "torch._dynamo", "torch.distributed", "torch.distributed.checkpoint", "numpy",
-                "traincore.checkpoint.checkpointer", "traincore.run.state", "faultlib"]
-
-
-def _run_script(script: str, args: list[str], env: dict[str, str], log: str) -> None:
-    """In the forked child: stdout and stderr to ``log``, ``env`` set, then ``script`` as __main__."""
-    import runpy
-
-    fd = os.open(log, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
-    os.dup2(fd, 1)
-    os.dup2(fd, 2)
-    os.close(fd)
-    sys.stdout.reconfigure(line_buffering=True)
-    sys.stderr.reconfigure(line_buffering=True)
-    os.environ.update({"OMP_NUM_THREADS": "1", **env})
-    import torch
-
-    torch.set_num_threads(1)
-    sys.argv = [script, *args]
-    runpy.run_path(script, run_name="__main__")
-
+# ---- checkpoint faults: ranks forked from the server of ranks.py, which has torch imported -----------------
 
 class Job:
     """``world_size`` ranks of one script, each a forked child process with RANK / WORLD_SIZE set and a file
@@ -233,10 +209,6 @@ class Job:
     does."""
 
     def __init__(self, script: Path, args: list[str], world_size: int, workdir: Path, name: str):
-        import multiprocessing
-
-        context = multiprocessing.get_context("forkserver")
-        context.set_forkserver_preload(FORK_PRELOAD)
         workdir.mkdir(parents=True, exist_ok=True)
         self.name, self.logs = name, [workdir / f"{name}.rank{rank}.log" for rank in range(world_size)]
         rendezvous = workdir / f"{name}.rendezvous-{time.monotonic_ns()}"
@@ -244,10 +216,7 @@ class Job:
         for rank, log in enumerate(self.logs):
             env = {"RANK": str(rank), "WORLD_SIZE": str(world_size), "LOCAL_RANK": str(rank),
                    "FAULT_INIT": f"file://{rendezvous}"}
-            process = context.Process(target=_run_script, args=(str(script), args, env, str(log)),
-                                      name=f"{name}-rank{rank}")
-            process.start()
-            self.processes.append(process)
+            self.processes.append(start_script(script, args, log, env, name=f"{name}-rank{rank}"))
 
     @property
     def pids(self) -> list[int]:

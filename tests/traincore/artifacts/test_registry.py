@@ -15,7 +15,7 @@ import uuid
 from pathlib import Path
 
 import pytest
-from ranks import start_script, wait_exit
+from ranks import start_script, wait_exit, warm
 
 import traincore.artifacts.registry
 from traincore.artifacts.export import WEIGHTS_FILE, export, load_exported
@@ -23,6 +23,12 @@ from traincore.artifacts.lineage import LINEAGE_FILE, Lineage, with_test
 from traincore.artifacts.registry import Registry, RegistryError, main, resolve_champion
 from traincore.config.presets import preset
 from traincore.run.trainer import Trainer
+
+
+@pytest.fixture(scope="module", autouse=True)
+def child_server() -> None:
+    """The children's server imports traincore while ``models`` trains, not when the first child starts."""
+    warm()
 
 
 @pytest.fixture(scope="module")

@@ -16,7 +16,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from ranks import start_ranks
+from ranks import start_ranks, warm
 from torch.nn.parallel import DistributedDataParallel
 
 from traincore.checkpoint import (
@@ -38,6 +38,13 @@ from traincore.model.build import build_model
 from traincore.run.state import Progress, StateRegistry, training_registry, unwrap_model
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
+
+
+@pytest.fixture(scope="module", autouse=True)
+def rank_server() -> None:
+    """The ranks' server imports torch and DCP while the one-process tests run, not as a rank starts."""
+    warm()
+
 
 SHAPE = (1, 8, 8)
 BATCH = 4
