@@ -7,19 +7,12 @@ from pathlib import Path
 
 import pytest
 
-from traincore.config.schema import DataConfig
-from traincore.data.staging import stage
-
-FAULT_DATA = DataConfig(source="synthetic", image_size=12, synthetic_samples=480, synthetic_classes=4,
-                        samples_per_shard=100)
-
 
 @pytest.fixture(scope="session")
-def fault_data(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """A staged synthetic dataset (3x12x12, 4 classes, 384 training samples); never modify it."""
-    output = tmp_path_factory.mktemp("fault-data") / "staged"
-    stage(FAULT_DATA, output)
-    return output
+def fault_data(train_data: Path) -> Path:
+    """A staged synthetic dataset (3x12x12, 4 classes, 384 training samples; tests/conftest.py's
+    ``train_data``, shared with tests/traincore/); never modify it."""
+    return train_data
 
 
 @pytest.fixture

@@ -158,14 +158,15 @@ def flyte_output(task, attempt_dir: Path):
 
 
 FORK_EXEC_WINDOW_S = 2.0
-"""A child still running its parent's command line this long after it started is a forked worker: a
-``subprocess`` child shares the parent's command line only between its fork and its exec (milliseconds)."""
+"""A ``subprocess`` child shares its parent's command line only between its fork and its exec (milliseconds),
+with the one thread a fork gives it. A child that kept the command line longer than this, or has started
+threads of its own (a worker's process group does at once), is a forked worker."""
 
 
 def spawned_workers(pid: int) -> list[int]:
     """torch-elastic's workers directly below ``pid``: spawned (``spawn_main`` in their command line) or
-    forked (``pid``'s own command line, kept for FORK_EXEC_WINDOW_S: a worker never execs); its resource
-    tracker, the workers' own children and any ``subprocess`` child on its way to an exec are left out."""
+    forked (``pid``'s own command line, and past their fork: see FORK_EXEC_WINDOW_S); its resource tracker,
+    the workers' own children and any ``subprocess`` child on its way to an exec are left out."""
     try:
         own = Path(f"/proc/{pid}/cmdline").read_bytes()
     except OSError:
@@ -179,7 +180,8 @@ def spawned_workers(pid: int) -> list[int]:
             continue
         if int(stat[1]) != pid:
             continue
-        if b"spawn_main" in command or (command == own and _age_s(int(stat[19])) >= FORK_EXEC_WINDOW_S):
+        forked = command == own and (int(stat[17]) > 1 or _age_s(int(stat[19])) >= FORK_EXEC_WINDOW_S)
+        if b"spawn_main" in command or forked:
             workers.append(int(proc.name))
     return sorted(workers)
 

@@ -25,8 +25,8 @@ CHECKPOINTED = {**TINY, "checkpoint": {"every": 5}}  # the config of the runs of
 def train_cmd(data: Path, output: Path, nproc: int, *extra: str, config: dict | None = None) -> list[str]:
     """The train CLI on ``nproc`` ranks: ``--nproc-per-node`` forks the workers from one process that has
     imported torch and traincore once (with OMP_NUM_THREADS=1, as the callers set it), seconds cheaper per
-    run than torchrun's fresh interpreter per rank; the ranks, their environment and numerics are the same.
-    One rank trains in the process itself, as it does under torchrun (no process group for one rank)."""
+    run than torchrun's fresh interpreter per rank, with the same ranks, environment and bitwise results.
+    One rank trains in the CLI's own process: torchrun's single worker has no process group either."""
     ranks = ["--nproc-per-node", str(nproc)] if nproc > 1 else []
     return [sys.executable, "-m", "traincore.train", "--data", str(data), "--output", str(output),
             "--preset", "debug", "--config", json.dumps(config or TINY), *ranks, *extra]

@@ -28,6 +28,7 @@ FSDP = ("--parallelism", "fsdp")
 # writes what it found to REPORT.
 CHECK_LOADED = r'''
 import json, sys
+from pathlib import Path
 import torch, torch._dynamo, torch.distributed as dist  # torch._dynamo: the optimizer's, imported once here
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 from traincore.checkpoint import latest_complete, read_marker

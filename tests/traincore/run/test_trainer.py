@@ -1,4 +1,4 @@
-"""The training core end to end through its CLI, with real torchrun processes on gloo."""
+"""The training core end to end through its CLI, with real gloo ranks (the CLI's forked workers)."""
 
 from __future__ import annotations
 
