@@ -25,9 +25,8 @@ install-dev: $(VENV)/.stamp-dev
 run: install
 	$(BIN)/pyflyte run workflows/pipeline.py training_pipeline
 
-# Two workers (pytest-xdist), each file on one of them, the longest groups first (tests/conftest.py).
 test: install-dev
-	$(BIN)/python -m pytest -n 2 --dist loadgroup --no-loadscope-reorder
+	$(BIN)/python -m pytest
 
 # Loader, checkpoint, sharded-state, per-step, start-up, preemption and end-to-end benchmarks (about 20 minutes on
 # 2 cores): writes bench/results/latest.json and latest.md (commit them); generated data and runs go to runs/bench.

@@ -13,8 +13,8 @@ import pytest
 
 TEST_BUDGET_S = 120.0
 SUITE_GOAL_S = 20 * 60  # `make test` on the 2-core CI machine
-_spent: dict[str, float] = {}  # where the test runs (an xdist worker, or this process): the verdict
-_reported: dict[str, float] = {}  # where the reports arrive (the controller, or this process): the summary
+_spent: dict[str, float] = {}  # where the test runs: the verdict
+_reported: dict[str, float] = {}  # where the reports arrive (also a distributing controller): the summary
 _started = time.monotonic()
 
 

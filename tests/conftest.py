@@ -23,38 +23,10 @@ DIGITS = DataConfig(source="digits", image_size=16, channels=1)
 CLASS_COLOURS = ((220, 30, 30), (30, 200, 40), (40, 50, 210), (230, 220, 40))
 
 
-# `make test` runs the suite on two pytest-xdist workers (`-n 2 --dist loadgroup --no-loadscope-reorder`).
-# Each file is one group, so a module fixture (a first run that several tests read) is built once; the
-# directories below are one group each, as their tests share what exists once per machine (the loopback
-# Slurm cluster: its config, namespaces, sshd and two nodes) or is costly to build twice (the replay
-# packages). Groups go out in the order of SCHEDULE, longest first, so the two longest start at once on
-# the two workers and the short ones fill the end.
-SHARED_GROUPS = {"tests/slurm/": "slurm", "tests/replay/": "replay"}
-SCHEDULE = ("tests/slurm/", "tests/workflows/", "tests/replay/", "tests/faults/", "tests/traincore/run/",
-            "tests/traincore/checkpoint/", "tests/bench/", "tests/traincore/model/", "tests/examples/",
-            "tests/tasks/", "tests/traincore/")
-
-
-def xdist_group(nodeid: str) -> str:
-    """The xdist group of a test: its directory's shared group, else its file."""
-    path = nodeid.split("::")[0]
-    return next((group for prefix, group in SHARED_GROUPS.items() if path.startswith(prefix)), path)
-
-
-def schedule_rank(nodeid: str) -> int:
-    path = nodeid.split("::")[0]
-    return next((rank for rank, prefix in enumerate(SCHEDULE) if path.startswith(prefix)), len(SCHEDULE))
-
-
-@pytest.hookimpl(tryfirst=True)  # before xdist's own hook turns the groups into node ids
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """Group and order the tests for xdist (a stable sort: a file's tests keep their order); skip tests
-    marked ``gpu`` when no CUDA device is present."""
+    """Skip tests marked ``gpu`` when no CUDA device is present."""
     import torch
 
-    for item in items:
-        item.add_marker(pytest.mark.xdist_group(xdist_group(item.nodeid)))
-    items.sort(key=lambda item: schedule_rank(item.nodeid))
     if torch.cuda.is_available():
         return
     skip = pytest.mark.skip(reason="needs a CUDA device")

@@ -2,13 +2,10 @@
 
 from __future__ import annotations
 
-import pytest
-
 pytest_plugins = ["pytester"]
 
 
-@pytest.mark.parametrize("workers", [[], ["-n", "2"]], ids=["one-process", "xdist"])
-def test_a_test_over_the_budget_fails_and_the_run_reports_its_time(pytester, workers):
+def test_a_test_over_the_budget_fails_and_the_run_reports_its_time(pytester):
     pytester.makeconftest("""
 import budget
 budget.TEST_BUDGET_S = 0.3
@@ -23,7 +20,7 @@ def test_quick():
 def test_slow():
     time.sleep(0.5)
 """)
-    result = pytester.runpytest_subprocess(*workers, "-p", "no:cacheprovider", "-o", "addopts=",
+    result = pytester.runpytest_subprocess("-p", "no:cacheprovider", "-o", "addopts=",
                                            "-o", f"pythonpath={BUDGET_DIR}")
     result.assert_outcomes(passed=2, errors=1)  # test_slow's call passed; its budget fails at teardown
     result.stdout.fnmatch_lines(["*test_sample.py::test_slow took * s (setup, call and teardown), over the "
