@@ -42,7 +42,7 @@ from traincore.checkpoint import Store, complete_steps, read_marker, step_store
 from traincore.checkpoint.format import read_checkpoint
 from traincore.telemetry.records import attempt_records
 
-MAX_STEPS, EVERY = 100, 20  # 5-15 s of training on a 2-core machine; the faults come after the first checkpoint
+MAX_STEPS, EVERY = 100, 20  # 5-15 s of training on 2 cores; the faults come after the first checkpoint
 TRAIN_NODE = "n2-0-dn0"
 CONFIG = json.dumps({"model": {"name": "small_cnn", "width": 8}, "loader": {"batch_size": 8},
                      "telemetry": {"log_every": 10, "records_every_s": 2},
