@@ -94,6 +94,14 @@ def job(non_fast_package, tmp_path_factory, s3_server):
                               s3=s3_server)
 
 
+def test_the_uninterrupted_two_pod_job_is_the_reference(job):
+    """The module's reference run (the fixture: two pods, dcp shards per rank into the bucket) finished
+    every step; the fault tests below compare their weights with its. Its own test, so that its cost is
+    not added to the first fault test's."""
+    assert complete_steps(job.root)[-1] == MAX_STEPS
+    assert set(job.reference) and len(job.pods) == 2
+
+
 def fresh_run(job) -> dict[str, str]:
     """Empty the durable root and the node's outputs, and give the job a new rendezvous port: the env
     overrides for its pods."""
