@@ -25,8 +25,11 @@ install-dev: $(VENV)/.stamp-dev
 run: install
 	$(BIN)/pyflyte run workflows/pipeline.py training_pipeline
 
+# The suite on TEST_WORKERS pytest-xdist workers, each taking whole test files, longest first (tests/scopes.py):
+# two, the CI machine's cores; `make test TEST_WORKERS=4` on a larger machine, 0 for one process.
+TEST_WORKERS ?= 2
 test: install-dev
-	$(BIN)/python -m pytest
+	$(BIN)/python -m pytest -n $(TEST_WORKERS)
 
 # Loader, checkpoint, sharded-state, per-step, start-up, preemption and end-to-end benchmarks (about 20 minutes on
 # 2 cores): writes bench/results/latest.json and latest.md (commit them); generated data and runs go to runs/bench.

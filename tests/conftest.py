@@ -11,7 +11,9 @@ import pytest
 from traincore.config.schema import DataConfig
 from traincore.data.staging import stage
 
-pytest_plugins = ["budget"]  # tests/budget.py: no test over 120 s; the run's wall time
+# tests/budget.py: no test over 120 s, the run's wall time; tests/scopes.py: how pytest-xdist workers share
+# the suite (`make test`).
+pytest_plugins = ["budget", "scopes"]
 
 # 100 synthetic samples split 80/10/10; 32 per shard puts the train split in three shards (32, 32, 16),
 # so reads cross shard boundaries. Every image carries its own noise, so image bytes identify a sample.
