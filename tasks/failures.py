@@ -17,8 +17,10 @@ import subprocess
 import sys
 from collections.abc import Iterator
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+if TYPE_CHECKING:  # tasks.slurm.job reads preemption_signal on every Slurm node, without torch
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 
 STDERR_DIR_ENV = "TRAIN_WORKER_STDERR_DIR"
 """Set by the train task for its workers: the directory of their ``rank-<N>.log`` stderr copies."""

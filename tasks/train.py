@@ -40,8 +40,8 @@ from tasks.storage import STORE_SECRET_KEYS, checkpoint_store, is_uri, local_dir
 from tasks.types import StagedDataset, Topology, TrainResult
 from traincore.config import Config
 from traincore.data import Manifest
+from traincore.exitcodes import PREEMPTED_EXIT_CODE
 from traincore.run import (
-    PREEMPTED_EXIT_CODE,
     Preempted,
     Trainer,
     preflight,

@@ -22,6 +22,7 @@ import re
 import shlex
 import sys
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from flyteidl.core import errors_pb2, execution_pb2
 from flytekit.core import utils
@@ -30,8 +31,10 @@ from google.protobuf.timestamp_pb2 import Timestamp
 
 from tasks.failures import killed_rank, preemption_signal
 from tasks.slurm.states import JobInfo, Outcome
-from tasks.types import Topology
-from traincore.run import PREEMPTED_EXIT_CODE
+from traincore.exitcodes import PREEMPTED_EXIT_CODE
+
+if TYPE_CHECKING:  # the batch job runs this module's verdicts on every node: no torch there (exitcodes.py)
+    from tasks.types import Topology
 
 log = logging.getLogger(__name__)
 

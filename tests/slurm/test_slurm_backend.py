@@ -25,7 +25,7 @@ from traincore.checkpoint import Store, complete_steps, read_marker, step_dir, s
 from traincore.checkpoint.format import read_checkpoint
 from traincore.config.presets import preset
 from traincore.data.manifest import Manifest
-from traincore.run.preemption import PREEMPTED_EXIT_CODE
+from traincore.exitcodes import PREEMPTED_EXIT_CODE
 
 pytestmark = [pytest.mark.slurm, pytest.mark.slow]
 

@@ -14,7 +14,7 @@ Other packages import from here, never from the modules.
 
 from traincore.run.dist import DistContext, parallelize
 from traincore.run.launch import settle_worker, start_method, worker_threads
-from traincore.run.preemption import PREEMPTED_EXIT_CODE, Preempted, PreemptionWatch, read_record
+from traincore.run.preemption import Preempted, PreemptionWatch, read_record
 from traincore.run.preflight import OutputError, check_model_input, ensure_writable_dir, preflight
 from traincore.run.state import Progress, StateRegistry, training_registry
 from traincore.run.steps import endless, seed_everything, warmup_cosine
@@ -22,7 +22,7 @@ from traincore.run.trainer import Trainer
 
 __all__ = [
     "check_model_input", "DistContext", "endless", "ensure_writable_dir", "OutputError", "parallelize",
-    "Preempted", "PREEMPTED_EXIT_CODE", "PreemptionWatch", "preflight", "Progress", "read_record",
+    "Preempted", "PreemptionWatch", "preflight", "Progress", "read_record",
     "seed_everything", "settle_worker", "start_method", "StateRegistry", "Trainer", "training_registry",
     "warmup_cosine", "worker_threads",
 ]

@@ -31,8 +31,9 @@ from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 from traincore.checkpoint import CheckpointError, as_store, complete_steps
 from traincore.config import PARALLELISMS, PRESETS, Config, ConfigError, build_config
 from traincore.data import Manifest, StagingError
+from traincore.exitcodes import PREEMPTED_EXIT_CODE
 from traincore.run.launch import launch_local, refuse_under_torchrun, start_method, worker_threads
-from traincore.run.preemption import PREEMPTED_EXIT_CODE, Preempted, read_record
+from traincore.run.preemption import Preempted, read_record
 from traincore.run.preflight import preflight
 from traincore.run.trainer import Trainer
 from traincore.telemetry import StartupClock, TrainSummary, format_summary, process_start_time

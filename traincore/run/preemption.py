@@ -39,9 +39,8 @@ import torch
 import torch.distributed as dist
 
 from traincore.checkpoint import Store, as_store
+from traincore.exitcodes import PREEMPTED_EXIT_CODE
 
-PREEMPTED_EXIT_CODE = 75
-"""Exit code of a preempted run (EX_TEMPFAIL, "try again"): the same command resumes it."""
 PREEMPTION_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1)
 SHUTDOWN_TIMEOUT_ENV = ("PET_SHUTDOWN_TIMEOUT", "TORCH_ELASTIC_SHUTDOWN_TIMEOUT")
 """Where a worker reads its launcher's shutdown timeout: torchrun's ``--shutdown-timeout`` as an environment

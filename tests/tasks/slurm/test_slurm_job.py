@@ -52,7 +52,7 @@ from tasks.storage import resume_note
 from tasks.train import CPU_PER_PROCESS, MEM_GIB_PER_PROCESS
 from tasks.types import SlurmSettings, Topology
 from traincore.checkpoint import MARKER
-from traincore.run.preemption import PREEMPTED_EXIT_CODE
+from traincore.exitcodes import PREEMPTED_EXIT_CODE
 
 ROOT = Path(__file__).resolve().parents[3]
 ENTRYPOINT = ["pyflyte-execute", "--inputs", "/shared/x/inputs.pb", "--output-prefix", "/shared/x",

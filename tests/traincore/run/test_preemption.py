@@ -14,9 +14,9 @@ from pathlib import Path
 import pytest
 from test_dist import CFG, run_ranks, two_rank_env  # noqa: F401  (a module beside this one, and its fixture)
 
+from traincore.exitcodes import PREEMPTED_EXIT_CODE
 from traincore.run.dist import distributed
 from traincore.run.preemption import (
-    PREEMPTED_EXIT_CODE,
     PREEMPTION_SIGNALS,
     Preempted,
     PreemptionWatch,
