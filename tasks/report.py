@@ -1,7 +1,8 @@
 """The Decks a reviewer reads: the evaluation Deck and the promotion Deck, with their pictures.
 
 Pictures are PNGs drawn with matplotlib and embedded as data URIs, tables come from :mod:`tasks.decks`: each
-Deck is one self-contained HTML page.
+Deck is one self-contained HTML page. matplotlib is imported where a figure is drawn: importing it costs
+about 0.7 s of CPU, and every pod that loads the workflow imports this module (through tasks.evaluate).
 """
 
 from __future__ import annotations
@@ -11,10 +12,7 @@ import html
 import io
 import json
 from pathlib import Path
-
-from matplotlib.axes import Axes
-from matplotlib.figure import Figure
-from matplotlib.ticker import PercentFormatter
+from typing import TYPE_CHECKING
 
 from tasks.decks import (
     STYLE,
@@ -27,6 +25,10 @@ from tasks.decks import (
     validation_table,
 )
 from traincore.artifacts import EvalResult, format_result
+
+if TYPE_CHECKING:
+    from matplotlib.axes import Axes
+    from matplotlib.figure import Figure
 
 # (metric, panel title): one panel per training metric that metrics.jsonl actually holds ("train" records).
 CURVES = (("loss", "training loss"), ("lr", "learning rate"), ("samples_per_s", "samples/s"),
@@ -77,6 +79,9 @@ def curves_png(records: list[dict]) -> bytes | None:
               if (points := _points(records, "train", metric))]
     if not series:
         return None
+    from matplotlib.figure import Figure
+    from matplotlib.ticker import PercentFormatter
+
     # Two panels a row: four side by side would be wider than the Deck.
     columns, rows = min(2, len(series)), (len(series) + 1) // 2
     figure = Figure(figsize=(4.5 * columns, 3.2 * rows), layout="constrained")
@@ -102,6 +107,8 @@ def validation_png(records: list[dict]) -> bytes | None:
     val_loss = _points(records, "eval", "loss")
     if not (accuracy or val_loss):
         return None
+    from matplotlib.figure import Figure
+
     figure = Figure(figsize=(9, 3.4))
     left, right = figure.subplots(1, 2)
     if accuracy:
@@ -126,6 +133,8 @@ def validation_png(records: list[dict]) -> bytes | None:
 
 def confusion_png(confusion: list[list[int]], classes: list[str]) -> bytes:
     """The confusion matrix as a heat map with the counts written in."""
+    from matplotlib.figure import Figure
+
     size = max(4.0, 0.45 * len(classes) + 2)
     figure = Figure(figsize=(size, size))
     axis = figure.subplots()
@@ -147,6 +156,8 @@ def confusion_png(confusion: list[list[int]], classes: list[str]) -> bytes:
 def per_class_png(challenger: EvalResult, champion: EvalResult | None) -> bytes:
     """Per-class precision and recall as bars, the champion's (matched by class name) beside the
     challenger's."""
+    from matplotlib.figure import Figure
+
     width = min(max(6.0, 0.5 * len(challenger.classes) + 2), 30.0)
     figure = Figure(figsize=(width, 5.5))
     axes = figure.subplots(2, 1, sharex=True)

@@ -4,14 +4,14 @@ from __future__ import annotations
 
 import numpy as np
 
+from traincore.data.digits import read_digits
+
 
 class Digits:
     """scikit-learn's bundled 8x8 digits as uint8 HxW arrays; ``parity`` relabels them even / odd."""
 
     def __init__(self, parity: bool = False):
-        from sklearn.datasets import load_digits
-
-        bunch = load_digits()
+        bunch = read_digits()
         self.images = np.round(bunch.images * (255 / 16)).astype(np.uint8)
         self.labels = bunch.target % 2 if parity else bunch.target
         self.classes = ["even", "odd"] if parity else [str(d) for d in range(10)]

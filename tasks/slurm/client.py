@@ -24,8 +24,7 @@ import shlex
 import uuid
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-
-import asyncssh
+from typing import TYPE_CHECKING
 
 from tasks.slurm.ssh import SlurmConnectionError, SlurmTarget, connect
 from tasks.slurm.states import (
@@ -42,6 +41,9 @@ from tasks.slurm.states import (
     parse_scontrol_text,
     parse_slurm_version,
 )
+
+if TYPE_CHECKING:
+    import asyncssh  # imported where a command runs: see tasks.slurm.ssh
 
 log = logging.getLogger(__name__)
 
@@ -127,6 +129,8 @@ class SlurmClient:
                     stdin: str | None = None) -> CommandResult:
         """Run ``command`` remotely within the timeout, ``stdin`` written to its standard input; ``label``
         names it in errors instead of the full command line."""
+        import asyncssh
+
         limit = timeout_s or self.target.command_timeout_s
         name = label or command
         host = self.target.host
@@ -175,6 +179,8 @@ class SlurmClient:
 
     async def _upload(self, text: str, remote_dir: str, filename: str) -> str:
         """Write ``text`` to ``remote_dir/filename`` over SFTP (creating the directory); the remote path."""
+        import asyncssh
+
         directory = _remote_path(remote_dir).rstrip("/") or "/"
         path = f"{directory}/{filename}" if directory != "/" else f"/{filename}"
 

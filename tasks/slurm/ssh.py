@@ -7,6 +7,9 @@ step has a timeout, and nothing here exits the process.
 asyncssh reads the OpenSSH config itself (Host and Match blocks, Include, HostName, Port, User, IdentityFile,
 UserKnownHostsFile, ProxyJump): this module adds only what asyncssh leaves open, that a config can never turn
 host key checking off, and the resolved settings for its error messages.
+
+asyncssh is imported by the functions that use it, not by this module: tasks.plan and tasks.launch import
+this module in every pod, and most pods never reach a Slurm cluster.
 """
 
 from __future__ import annotations
@@ -19,12 +22,13 @@ import os
 import socket
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
-
-import asyncssh
-from asyncssh.config import SSHClientConfig
+from typing import TYPE_CHECKING, Any
 
 from tasks.slurm.states import SlurmError
+
+if TYPE_CHECKING:
+    import asyncssh
+    from asyncssh.config import SSHClientConfig
 
 log = logging.getLogger(__name__)
 
@@ -82,6 +86,8 @@ def ssh_config(host: str, config_path: str | os.PathLike[str] | None = None) -> 
     that apply to it, Include followed, exactly as ``asyncssh.connect`` applies them. A missing or unreadable
     file counts as empty (as in asyncssh and OpenSSH); one asyncssh cannot parse raises
     ``SlurmConnectionError`` naming the file and line."""
+    from asyncssh.config import SSHClientConfig
+
     path = Path(config_path) if config_path else Path("~/.ssh/config").expanduser()
     try:
         local_user = getpass.getuser()
@@ -116,6 +122,8 @@ def _known_hosts_db(target: SlurmTarget, configured: Any) -> tuple[asyncssh.SSHK
     asyncssh treats ``known_hosts=None`` (which ``UserKnownHostsFile none`` in ssh config produces) as
     'accept any key'.
     """
+    import asyncssh
+
     if target.known_hosts:
         files = [os.path.expanduser(target.known_hosts)]
         if not os.path.isfile(files[0]):
@@ -139,6 +147,8 @@ def _known_hosts_db(target: SlurmTarget, configured: Any) -> tuple[asyncssh.SSHK
 async def _client_options(target: SlurmTarget) -> tuple[asyncssh.SSHClientConnectionOptions, _Endpoint,
                                                         list[str]]:
     """asyncssh options: ~/.ssh/config applied, our overrides, and a known_hosts that is always checked."""
+    import asyncssh
+
     kwargs: dict[str, Any] = {"connect_timeout": target.connect_timeout_s,
                               "login_timeout": target.connect_timeout_s}
     if target.port is not None:
@@ -177,6 +187,8 @@ async def _client_options(target: SlurmTarget) -> tuple[asyncssh.SSHClientConnec
 
 def _host_key_message(endpoint: _Endpoint, files: list[str]) -> str:
     """Unknown versus changed host key: both refused, with the fix for each."""
+    import asyncssh
+
     pattern = endpoint.host if endpoint.port == 22 else f"[{endpoint.host}]:{endpoint.port}"
     target_file = files[0] if files else "~/.ssh/known_hosts"
     existing = [path for path in files if os.path.isfile(path)]
@@ -203,6 +215,8 @@ def _is_refused(exc: OSError) -> bool:
 
 def _connection_error(exc: BaseException, endpoint: _Endpoint, files: list[str], timeout_s: float) -> str:
     """A message that names the problem with this connection attempt and how to fix it."""
+    import asyncssh
+
     fix_port = (f"Port for Host {endpoint.alias!r} in ~/.ssh/config or SlurmTarget.port"
                 if endpoint.aliased else "SlurmTarget.port (or a Host alias, ~/.ssh/config)")
     if isinstance(exc, asyncssh.HostKeyNotVerifiable):
@@ -233,6 +247,8 @@ async def connect(target: SlurmTarget) -> asyncssh.SSHClientConnection:
 
     Raises ``SlurmConnectionError`` with a specific message for every failure; never exits the process.
     """
+    import asyncssh
+
     options, endpoint, files = await _client_options(target)
     log.info("connecting to Slurm login node %s", endpoint)
     try:

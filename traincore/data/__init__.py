@@ -1,6 +1,7 @@
 """Data: from a source to batches on the device.
 
     sources      built-in sources (digits, synthetic) and the split arithmetic every source shares
+    digits       scikit-learn's bundled digits, read without importing scikit-learn
     imagefolder  ``<root>/<class>/<image>`` on a local path or any fsspec URI
     fingerprint  the fingerprint of a source as it is now (part of the staging cache key)
     pysource     ``python:<module>:<callable>``: a user's dataset of (image, label) items

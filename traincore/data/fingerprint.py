@@ -25,6 +25,7 @@ import logging
 from collections.abc import Callable
 
 from traincore.config import DataConfig, parse_source
+from traincore.data.digits import read_digits
 from traincore.data.imagefolder import ImageListing, list_images
 from traincore.data.pysource import load_item, open_dataset
 from traincore.data.sources import check_synthetic
@@ -54,9 +55,7 @@ def source_fingerprint(cfg: DataConfig, *, progress: Callable[[str], None] = log
 @functools.cache
 def digits_fingerprint() -> str:
     """The bundled digits' identity: a hash of the arrays staging reads."""
-    from sklearn.datasets import load_digits
-
-    bunch = load_digits()
+    bunch = read_digits()
     layout = (bunch.images.shape, bunch.images.dtype.str, bunch.target.dtype.str)
     hasher = hashlib.sha256(repr(layout).encode())
     hasher.update(bunch.images.tobytes())

@@ -15,6 +15,7 @@ from typing import NamedTuple
 import numpy as np
 
 from traincore.config import DataConfig
+from traincore.data.digits import read_digits
 from traincore.data.manifest import StagingError
 
 Chunk = tuple[str, np.ndarray, np.ndarray]
@@ -81,9 +82,7 @@ def _resize_batch(images: np.ndarray, size: int) -> np.ndarray:
 
 def digits_source(cfg: DataConfig) -> Source:
     """scikit-learn's bundled 8x8 digits (1797 real images), upscaled to ``cfg.image_size``."""
-    from sklearn.datasets import load_digits
-
-    bunch = load_digits()
+    bunch = read_digits()
     images = bunch.images.astype(np.float32) * (255.0 / 16.0)  # pixel values are 0..16
     labels = bunch.target.astype(np.int64)
     order = np.random.default_rng(cfg.seed).permutation(len(labels))
