@@ -7,6 +7,10 @@ Every module under tasks/ is read as an AST; which classes derive from flytekit 
 plugin) and which private attributes their flytekit bases define is found by introspection: class
 attributes through ``vars``, instance attributes from the ``self._x = ...`` assignments in the bases'
 source.
+
+Importing every tasks/ module and workflows.pipeline (in one fresh process, as a pod does) changes no
+process-wide state (environment, working directory, sys.path, logging, signal handlers) and imports none of
+scikit-learn, scipy, matplotlib and asyncssh, not even once the digits are fingerprinted and read.
 """
 
 from __future__ import annotations
@@ -240,11 +244,20 @@ def test_the_checker_catches_every_use_of_internals():
     assert "self.mine" not in found  # an attribute of our own is ours to set
 
 
-# Imports the dependencies first (their import-time behaviour is theirs), then every tasks/ module in turn,
-# and reports what each import changed of the process-wide state a library must leave alone.
-SIDE_EFFECTS = '''
+# Libraries a pod has no use for: each costs 0.15 s to 1.5 s of CPU at import, in every pod of every run.
+# matplotlib draws a Deck's figures and asyncssh reaches a Slurm cluster, where they are imported; the digits
+# are read without scikit-learn (traincore.data.digits), which would bring scipy.
+UNUSED_IN_PODS = ("sklearn", "scipy", "matplotlib", "asyncssh")
+
+# Imports the dependencies a pod needs first (their import-time behaviour is theirs), then every tasks/ module
+# and the workflow module in turn, and reports what each import changed of the process-wide state a library
+# must leave alone; then which of UNUSED_IN_PODS are imported: after the imports, and after reading the
+# bundled digits as plan_run (the fingerprint) and the stage task (the source) do.
+POD_IMPORTS = '''
 import importlib, json, logging, os, signal, sys
-import asyncssh, flytekit, flytekitplugins.kfpytorch, torch.distributed.run  # noqa: F401
+import flytekit, flytekitplugins.kfpytorch, torch.distributed.run  # noqa: F401
+
+unused = json.loads(sys.argv[1])
 
 def state():
     return {"env": dict(os.environ), "cwd": os.getcwd(), "path": list(sys.path),
@@ -257,7 +270,7 @@ def state():
                             if isinstance(l, logging.Logger) and n.split(".")[0] in ("tasks", "traincore")}}
 
 changes = {}
-for name in sys.argv[1:]:
+for name in sys.argv[2:]:
     before = state()
     importlib.import_module(name)
     after = state()
@@ -271,15 +284,40 @@ for name in sys.argv[1:]:
             changed = after[key] if after[key] != before[key] else None
         if changed:
             changes.setdefault(name, {})[key] = changed
-print(json.dumps(changes))
+after_imports = sorted(name for name in unused if name in sys.modules)
+
+from tasks.plan import fingerprint_source
+from traincore.config import DataConfig
+from traincore.data.sources import digits_source
+
+fingerprint = fingerprint_source(DataConfig(source="digits"))
+count = digits_source(DataConfig(source="digits")).count  # the digits are read here, the chunks made later
+print(json.dumps({"changes": changes, "after imports": after_imports,
+                  "after digits": sorted(name for name in unused if name in sys.modules),
+                  "fingerprint": fingerprint, "count": count}))
 '''
 
 
-def test_importing_tasks_changes_no_process_wide_state():
+@pytest.fixture(scope="module")
+def pod_imports() -> dict:
+    """What importing every tasks/ module and workflows.pipeline, then reading the digits, did (in one
+    process)."""
+    modules = [module_name(path) for path in module_paths()] + ["workflows.pipeline"]
+    run = subprocess.run([sys.executable, "-c", POD_IMPORTS, json.dumps(UNUSED_IN_PODS), *modules], cwd=ROOT,
+                         capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr[-3000:]
+    return json.loads(run.stdout.strip().splitlines()[-1])
+
+
+def test_importing_tasks_changes_no_process_wide_state(pod_imports):
     """Registering type transformers and connectors is what importing a flytekit plugin does; setting
     environment variables, configuring logging or installing signal handlers is left to the program."""
-    modules = [module_name(path) for path in module_paths()]
-    run = subprocess.run([sys.executable, "-c", SIDE_EFFECTS, *modules], cwd=ROOT, capture_output=True,
-                         text=True, timeout=300)
-    assert run.returncode == 0, run.stderr[-3000:]
-    assert json.loads(run.stdout.strip().splitlines()[-1]) == {}
+    assert pod_imports["changes"] == {}
+
+
+def test_a_pod_imports_no_library_it_does_not_use(pod_imports):
+    """Every pod imports the workflow or task modules; plan_run fingerprints the digits and the stage task
+    reads them. None of that imports a library of UNUSED_IN_PODS."""
+    assert pod_imports["after imports"] == [], "importing tasks/ and workflows.pipeline imported these"
+    assert pod_imports["after digits"] == [], "fingerprinting and reading the digits imported these"
+    assert pod_imports["fingerprint"].startswith("digits:sha256:") and pod_imports["count"] == 1797
