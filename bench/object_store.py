@@ -1,9 +1,11 @@
 """Checkpoints straight into an object store: a local S3 server (moto), two gloo ranks, sharded state.
 
-    python bench/object_store.py [--params 100M] [--width 4096] [--repeats 3] [--json PATH]
+    python bench/object_store.py [--params 100M] [--width 4096] [--repeats 3] [--start-method spawn]
+                                 [--json PATH]
 
-The sharded benchmark's model (bench/sharded.py: FSDP2 over square nn.Linear blocks, AdamW, two spawned
-gloo ranks on the CPU) saves its state registry into ``s3://`` on a moto server started here:
+The sharded benchmark's model (bench/sharded.py: FSDP2 over square nn.Linear blocks, AdamW, two gloo ranks on
+the CPU, spawned or with ``--start-method fork`` forked) saves its state registry into ``s3://`` on a moto
+server started here:
 
   dcp into the store    our Checkpointer, mode dcp: every rank streams its shards into its own object
                         (ObjectStoreWriter: multipart as it fills, CRC32 on the way), rank 0 writes
@@ -133,13 +135,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--width", type=int, default=4096, help="width of each square nn.Linear block")
     parser.add_argument("--repeats", type=int, default=3, help="saves per mode (the first one shown apart)")
     parser.add_argument("--timeout", type=float, default=1200, help="seconds the two ranks may take")
+    parser.add_argument("--start-method", choices=("spawn", "fork"), default="spawn",
+                        help="how the ranks start: fresh interpreters (spawn, as measured) or forked from "
+                             "this process (fork: seconds less start-up, for smoke runs)")
     parser.add_argument("--json", type=Path, default=None, help="also write the results to this JSON file")
     args = parser.parse_args(argv)
     with tempfile.TemporaryDirectory(prefix="bench-object-store-") as tmp, local_s3(Path(tmp)) as s3:
         opts = {"params": args.params, "width": args.width, "repeats": args.repeats,
                 "root": f"s3://{s3.bucket}/bench-{uuid.uuid4().hex[:8]}",
                 "storage_options": s3.storage_options}
-        ranks = run_ranks(store_phase, opts, Path(tmp), args.timeout)
+        ranks = run_ranks(store_phase, opts, Path(tmp), args.timeout, args.start_method)
     rows, ratios = rows_of(ranks)
     print(markdown_table(rows) + "\n")
     print(markdown_table([{"ratio": name, "value": value, "target": TARGETS[name]}

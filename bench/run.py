@@ -37,8 +37,11 @@ TARGETS = {("checkpoint", "async_blocking_over_copy"): "<= 0.1", ("step", None):
 TINY_ARGS = {  # seconds-long sizes for a smoke run; scripts without such options get none
     "loader": ["--images", "200", "--size", "16", "--naive-samples", "64", "--rounds", "1"],
     "end_to_end": ["--tiny"],
-    "sharded": ["--params", "1.7M", "--width", "512", "--repeats", "2", "--steps", "2"],  # ~20 MB of state
-    "object_store": ["--params", "1.7M", "--width", "512", "--repeats", "2"],
+    # ~20 MB of state; ranks forked from the script's process, which has torch imported: fresh interpreters
+    # for every pair of ranks would be most of a smoke run's CPU time
+    "sharded": ["--params", "1.7M", "--width", "512", "--repeats", "2", "--steps", "2",
+                "--start-method", "fork"],
+    "object_store": ["--params", "1.7M", "--width", "512", "--repeats", "2", "--start-method", "fork"],
     "preemption": ["--steps", "20", "--rounds", "1"],
 }
 

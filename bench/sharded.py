@@ -1,9 +1,10 @@
 """Checkpointing sharded (FSDP2) state: naive, distributed and asynchronous saves; and FSDP against DDP.
 
-Two gloo ranks on the CPU (spawned processes, one torch thread each) train a stack of wide nn.Linear blocks
-(``--params``, default 100M: 1.21 GB of fp32 parameters and AdamW moments) sharded by our
-``traincore.run.dist.parallelize`` with parallelism fsdp, one FSDP unit per block. After one optimizer step
-(so the optimizer state exists), the run's Checkpointer saves the state registry (``training_registry``)
+Two gloo ranks on the CPU (spawned processes, one torch thread each; ``--start-method fork`` forks them from
+this process instead, sparing each rank its imports, which are most of a smoke run's time) train a stack of
+wide nn.Linear blocks (``--params``, default 100M: 1.21 GB of fp32 parameters and AdamW moments) sharded by
+our ``traincore.run.dist.parallelize`` with parallelism fsdp, one FSDP unit per block. After one optimizer
+step (so the optimizer state exists), the run's Checkpointer saves the state registry (``training_registry``)
 ``--repeats`` times per mode:
 
   naive (sync)          the whole state gathered onto rank 0 (full_state_dict), which writes state.pt alone
@@ -40,7 +41,7 @@ The disk's fsync'd sequential write rate is measured with dd (through the page c
 before and after the saves, for the state's size.
 
     python bench/sharded.py [--params 100M] [--width 4096] [--repeats 3] [--steps 6] [--dir DIR]
-                            [--json PATH]
+                            [--start-method spawn] [--json PATH]
 
 ``--json`` writes {"benchmark": "sharded", "results": [one row per mode], "tables": {"fsdp vs ddp": [rows]},
 "ratios": {...}, "notes": [...]} for bench/run.py.
@@ -362,13 +363,18 @@ def _rank(rank: int, phase: Callable[[int, dict], dict], opts: dict, rendezvous:
     Path(out, f"{phase.__name__}-{rank}.json").write_text(json.dumps(result))
 
 
-def run_ranks(phase: Callable[[int, dict], dict], opts: dict, scratch: Path, timeout: float) -> list[dict]:
-    """Run ``phase(rank, opts)`` (a module-level function) on WORLD spawned gloo processes; every rank's
-    result, in rank order."""
+def run_ranks(phase: Callable[[int, dict], dict], opts: dict, scratch: Path, timeout: float,
+              start_method: str = "spawn") -> list[dict]:
+    """Run ``phase(rank, opts)`` (a module-level function) on WORLD gloo processes, spawned or forked
+    (``start_method``); every rank's result, in rank order.
+
+    A fork is safe while the caller has run no torch op (neither this script nor bench/object_store.py
+    does before): there is no intra-op thread pool to inherit, and each rank runs at one thread
+    (traincore.run.launch.start_method's rule)."""
     name = phase.__name__
     rendezvous = scratch / f"rendezvous-{name}-{time.monotonic_ns()}"
     context = mp.start_processes(_rank, args=(phase, opts, str(rendezvous), str(scratch)), nprocs=WORLD,
-                                 join=False, start_method="spawn")
+                                 join=False, start_method=start_method)
     deadline = time.monotonic() + timeout
     while not context.join(timeout=1):  # raises when a rank failed
         if time.monotonic() > deadline:
@@ -475,7 +481,7 @@ def ratios_of(saves: list[dict], steps: list[dict], ckpt: list[dict]) -> dict[st
 TARGETS = {"fsdp/ddp rank-0 state bytes": f"about 1/{WORLD} (1/N)"}
 
 
-def measure(opts: dict, scratch: Path, timeout: float) -> dict:
+def measure(opts: dict, scratch: Path, timeout: float, start_method: str = "spawn") -> dict:
     """Disk, the checkpoint phase, disk again, then ddp and fsdp steps; prints and returns the results."""
     blocks = blocks_for(opts["params"], opts["width"])
     params = blocks * (opts["width"] ** 2 + opts["width"])
@@ -485,13 +491,13 @@ def measure(opts: dict, scratch: Path, timeout: float) -> dict:
           f"dir {scratch}", flush=True)
     start = time.perf_counter()
     disk = [disk_rates(scratch, nbytes)]
-    ckpt = run_ranks(checkpoint_phase, {**opts, "dir": str(scratch)}, scratch, timeout)
+    ckpt = run_ranks(checkpoint_phase, {**opts, "dir": str(scratch)}, scratch, timeout, start_method)
     disk.append(disk_rates(scratch, nbytes))
     print(f"checkpoint phase and disk: {time.perf_counter() - start:.0f} s", flush=True)
     steps = {}
     for name in ("ddp", "fsdp"):
         start = time.perf_counter()
-        steps[name] = run_ranks(steps_phase, {**opts, "parallelism": name}, scratch, timeout)
+        steps[name] = run_ranks(steps_phase, {**opts, "parallelism": name}, scratch, timeout, start_method)
         print(f"{name} steps: {time.perf_counter() - start:.0f} s", flush=True)
     saves, step_table = checkpoint_rows(ckpt), step_rows(steps)
     ratios = ratios_of(saves, step_table, ckpt)
@@ -523,6 +529,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--steps", type=int, default=6, help="timed training steps per parallelism")
     parser.add_argument("--dir", type=Path, default=None, help="where to write (default: runs/ or /tmp)")
     parser.add_argument("--timeout", type=float, default=1200, help="seconds one phase of two ranks may take")
+    parser.add_argument("--start-method", choices=("spawn", "fork"), default="spawn",
+                        help="how each phase's ranks start: fresh interpreters (spawn, as measured) or "
+                             "forked from this process (fork: less start-up per rank, for smoke runs)")
     parser.add_argument("--json", type=Path, default=None, help="also write the results to this JSON file")
     args = parser.parse_args(argv)
     for name in ("width", "repeats", "steps"):
@@ -531,7 +540,7 @@ def main(argv: list[str] | None = None) -> None:
     scratch = scratch_directory("bench-sharded-", args.dir)
     opts = {"params": args.params, "width": args.width, "repeats": args.repeats, "steps": args.steps}
     try:
-        results = measure(opts, scratch, args.timeout)
+        results = measure(opts, scratch, args.timeout, args.start_method)
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
     if args.json is not None:
