@@ -25,15 +25,16 @@ from traincore.checkpoint import complete_steps, parse_step_name, step_dir, veri
 from traincore.checkpoint.layout import is_torn
 from traincore.run.preemption import PREEMPTED_EXIT_CODE, RECORD_FILE
 
-STEPS, EVERY = 300, 100
+STEPS, EVERY = 100, 50
 DEFAULT_GRACE_S = 20.0
 
 
-def weights(output: Path) -> dict[str, torch.Tensor]:
+def weights(checkpoints: Path, model: Path) -> dict[str, torch.Tensor]:
+    """The weights of the latest checkpoint under ``checkpoints``, exported to ``model`` and loaded back."""
     from safetensors.torch import load_file
 
-    export(output / "checkpoints", output / "model.safetensors")
-    return load_file(output / "model.safetensors")
+    export(checkpoints, model)
+    return load_file(model)
 
 
 def start(cmd: list[str], log: Path) -> subprocess.Popen:
@@ -69,12 +70,31 @@ def check_saved(output: Path, log: str, signal_name: str) -> int:
 
 
 @pytest.fixture(scope="module")
-def uninterrupted(fault_data, tmp_path_factory) -> dict[str, torch.Tensor]:
-    output = tmp_path_factory.mktemp("uninterrupted") / "run"
-    done = run(torchrun(2, "traincore.train", *train_args(fault_data, output, "--max-steps", str(STEPS),
-                                                           "--checkpoint-every", str(EVERY))))
-    assert done.returncode == 0, done.stderr[-3000:]
-    return weights(output)
+def uninterrupted(uninterrupted_run, tmp_path_factory) -> dict[str, torch.Tensor]:
+    """The final weights of an uninterrupted run of STEPS steps (conftest.py's, shared with
+    test_restarts.py)."""
+    return weights(uninterrupted_run(STEPS), tmp_path_factory.mktemp("uninterrupted") / "model.safetensors")
+
+
+# First of the tests that compare with the uninterrupted run, the cheapest: the one that starts that run (when
+# no other test has) takes its time as well.
+def test_ctrl_c_on_the_clis_own_workers_saves_the_step_without_a_traceback(fault_data, tmp_path,
+                                                                          uninterrupted):
+    output = tmp_path / "run"
+    cmd = [sys.executable, "-m", "traincore.train", *train_args(fault_data, output, "--max-steps", str(STEPS),
+                                                                "--checkpoint-every", str(EVERY),
+                                                                "--nproc-per-node", "2")]
+    process = start(cmd, tmp_path / "log")
+    took = interrupt_mid_run(process, output, signal.SIGINT, group=True)
+    log = (tmp_path / "log").read_text()
+    assert process.returncode == PREEMPTED_EXIT_CODE and took < DEFAULT_GRACE_S, (process.returncode, log)
+    assert "Traceback" not in log and "KeyboardInterrupt" not in log, log[-3000:]
+    step = check_saved(output, log, "SIGINT")
+
+    resumed = run(cmd)
+    assert resumed.returncode == 0 and f"resumed from step {step}" in resumed.stdout + resumed.stderr
+    final = weights(output / "checkpoints", output / "model.safetensors")
+    assert all(torch.equal(final[name], uninterrupted[name]) for name in uninterrupted)
 
 
 @pytest.mark.parametrize("mode", ["sync", "async"])
@@ -94,28 +114,9 @@ def test_sigterm_to_torchrun_saves_the_step_and_the_same_command_resumes_bitwise
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert f"resumed from step {step}" in resumed.stdout + resumed.stderr
     assert [row["step"] for row in metric_rows(output)] == list(range(1, STEPS + 1))  # none lost, none twice
-    final = weights(output)
+    final = weights(output / "checkpoints", output / "model.safetensors")
     assert all(torch.equal(final[name], uninterrupted[name]) for name in uninterrupted)
     print(f"{mode}: SIGTERM to torchrun -> step {step} saved and every process gone in {took:.1f} s")
-
-
-def test_ctrl_c_on_the_clis_own_workers_saves_the_step_without_a_traceback(fault_data, tmp_path,
-                                                                          uninterrupted):
-    output = tmp_path / "run"
-    cmd = [sys.executable, "-m", "traincore.train", *train_args(fault_data, output, "--max-steps", str(STEPS),
-                                                                "--checkpoint-every", str(EVERY),
-                                                                "--nproc-per-node", "2")]
-    process = start(cmd, tmp_path / "log")
-    took = interrupt_mid_run(process, output, signal.SIGINT, group=True)
-    log = (tmp_path / "log").read_text()
-    assert process.returncode == PREEMPTED_EXIT_CODE and took < DEFAULT_GRACE_S, (process.returncode, log)
-    assert "Traceback" not in log and "KeyboardInterrupt" not in log, log[-3000:]
-    step = check_saved(output, log, "SIGINT")
-
-    resumed = run(cmd)
-    assert resumed.returncode == 0 and f"resumed from step {step}" in resumed.stdout + resumed.stderr
-    final = weights(output)
-    assert all(torch.equal(final[name], uninterrupted[name]) for name in uninterrupted)
 
 
 def test_a_save_that_outlasts_the_grace_is_abandoned_the_records_are_kept_and_the_last_complete_loads(

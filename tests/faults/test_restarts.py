@@ -7,8 +7,9 @@ may cost at most the checkpoint interval: lost = the attempt's last step in rank
 attempt logs "resumed from step S". Run with ``pytest -s`` to see the figures; TRAINCORE_FAULT_SEED
 replays a draw.
 
-Once through the CLI (torchrun), once through the Flyte train task executed locally (flytekit runs
-elastic_launch in-process) in a child process whose spawned workers the test kills.
+Once through the Flyte train task executed locally (flytekit runs elastic_launch in-process) in a child
+process whose spawned workers the test kills, once through the CLI (torchrun). The Flyte test comes first:
+the shorter of the two also waits for the uninterrupted run when no other test has made it yet.
 """
 
 from __future__ import annotations
@@ -30,7 +31,6 @@ from faultlib import (
     child_processes,
     kill_after_checkpoints,
     kill_tree,
-    run,
     spawned_workers,
     torchrun,
     train_args,
@@ -39,7 +39,7 @@ from faultlib import (
 from traincore.checkpoint import step_dir
 from traincore.checkpoint.format import read_checkpoint
 
-MAX_STEPS, EVERY, FAULTS = 150, 10, 3
+MAX_STEPS, EVERY, FAULTS = 100, 10, 3
 RUN_ARGS = ("--max-steps", str(MAX_STEPS), "--checkpoint-every", str(EVERY))
 SEED = int(os.environ.get("TRAINCORE_FAULT_SEED", time.time_ns() % 2**32))
 # Generous: a restart re-imports torch (and flytekit) in every worker, slow on a busy 2-core machine.
@@ -81,15 +81,10 @@ def final_weights(root: Path) -> dict[str, bytes]:
 
 
 @pytest.fixture(scope="module")
-def reference(fault_data, tmp_path_factory) -> dict[str, bytes]:
-    """Final weights of an uninterrupted two-worker run of the same config: its workers forked by the train
-    CLI (seconds cheaper than torchrun's fresh interpreters, the same ranks and numerics)."""
-    output = tmp_path_factory.mktemp("reference")
-    command = [sys.executable, "-m", "traincore.train", *train_args(fault_data, output, *RUN_ARGS),
-               "--nproc-per-node", "2"]
-    done = run(command, timeout=300)
-    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-4000:]
-    return final_weights(output / "checkpoints")
+def reference(uninterrupted_run) -> dict[str, bytes]:
+    """Final weights of an uninterrupted two-worker run of the same config (conftest.py's, shared with
+    test_preempted_runs.py)."""
+    return final_weights(uninterrupted_run(MAX_STEPS))
 
 
 def faulted_run(command: list[str], log: Path, workers: Callable[[int], list[int]], **popen) -> tuple[
@@ -130,13 +125,6 @@ def check_recovery(label: str, code: int, log: Path, faults: list[Fault], root: 
     assert final_weights(root) == reference, f"{label}: final weights differ from the uninterrupted run's"
 
 
-def test_cli_run_survives_a_worker_killed_three_times(fault_data, reference, tmp_path):
-    output, log = tmp_path / "run", tmp_path / "torchrun.log"
-    command = torchrun(2, "traincore.train", *train_args(fault_data, output, *RUN_ARGS), max_restarts=FAULTS)
-    code, faults = faulted_run(command, log, lambda pid: child_processes(pid, b"traincore.train"))
-    check_recovery("CLI", code, log, faults, output / "checkpoints", reference)
-
-
 def test_flyte_task_survives_a_worker_killed_three_times(fault_data, reference, tmp_path):
     script, root = tmp_path / "flyte_train.py", tmp_path / "checkpoints"
     result, log = tmp_path / "summary.json", tmp_path / "flyte.log"
@@ -148,3 +136,10 @@ def test_flyte_task_survives_a_worker_killed_three_times(fault_data, reference, 
     summary = json.loads(result.read_text())
     assert (summary["steps"], summary["world_size"]) == (MAX_STEPS, 2)
     assert summary["resumed_from"] == attempts(log.read_text())[-1].resumed_from
+
+
+def test_cli_run_survives_a_worker_killed_three_times(fault_data, reference, tmp_path):
+    output, log = tmp_path / "run", tmp_path / "torchrun.log"
+    command = torchrun(2, "traincore.train", *train_args(fault_data, output, *RUN_ARGS), max_restarts=FAULTS)
+    code, faults = faulted_run(command, log, lambda pid: child_processes(pid, b"traincore.train"))
+    check_recovery("CLI", code, log, faults, output / "checkpoints", reference)
