@@ -173,7 +173,7 @@ def test_bad_config_is_a_user_error_raised_before_any_worker(bad_config):
 
 def test_an_evicted_attempt_saves_its_step_and_the_retry_loses_none(job):
     """SIGTERM to the task's process, as the kubelet sends it to a pod's PID 1 on eviction or spot reclaim."""
-    steps = 150
+    steps = 100
     root = job.base / "evicted-checkpoints"
     inputs = job.inputs("evicted.pb", root, **{"train.max_steps": steps})
     process, first = start_attempt(job, inputs, 0)

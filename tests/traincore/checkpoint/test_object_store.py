@@ -159,6 +159,20 @@ def model_weights(root: Store | Path, step: int) -> dict[str, torch.Tensor]:
     return read_checkpoint(step_store(root, step))[0]
 
 
+def wait_for_step(process: subprocess.Popen, output: Path, step: int, deadline: float) -> None:
+    """Until rank 0 has logged ``step`` or a later one in ``output``/metrics.jsonl, read from the local disk:
+    the store is polled only from then on, not through the run's start-up (every poll is a request that the
+    server spends CPU time on)."""
+    def logged() -> int:
+        path = output / "metrics.jsonl"
+        text = path.read_text() if path.is_file() else ""
+        records = [json.loads(line) for line in text[:text.rfind("\n") + 1].splitlines()]  # not a torn line
+        return max((record["step"] for record in records if record.get("kind") == "train"), default=0)
+    while logged() < step and process.poll() is None:
+        assert time.monotonic() < deadline, f"the run logged no step {step}"
+        time.sleep(0.05)
+
+
 @pytest.mark.parametrize("mode", ["dcp", "async"])
 def test_two_ranks_write_their_own_shards_and_the_root_reshards_on_one_and_three(s3_server, data_dir, saved,
                                                                                  tmp_path, mode):
@@ -192,10 +206,12 @@ def test_a_run_killed_mid_upload_resumes_from_the_last_committed_step_and_names_
     s3, uri = s3_server, f"s3://{s3_server.bucket}/killed-{uuid.uuid4().hex[:8]}"
     root, bucket = Store(uri, s3.storage_options), s3_server.bucket
     prefix = uri.removeprefix(f"s3://{bucket}/")
-    # ~40 MB of FSDP state per rank, uploaded in 5 MiB parts: each save spends a while mid-upload.
+    # ~40 MB of FSDP state per rank, uploaded in 5 MiB parts: each save spends a while mid-upload. Saves at
+    # steps 4, 8, 12 and 16: the first commits, one of the next three is caught mid-upload.
+    steps = 16
     config = {**TINY, "model": {"name": "mlp", "width": 2048}, "checkpoint": {"every": 4, "mode": "dcp"}}
     env = {**os.environ, "OMP_NUM_THREADS": "1", **s3.aws_env, "FSSPEC_S3": '{"default_block_size": 5242880}'}
-    command = train_cmd(data_dir, tmp_path / "run", 2, "--checkpoint-dir", uri, "--max-steps", "40",
+    command = train_cmd(data_dir, tmp_path / "run", 2, "--checkpoint-dir", uri, "--max-steps", str(steps),
                         "--parallelism", "fsdp", config=config)
     client = s3.client()
 
@@ -206,6 +222,7 @@ def test_a_run_killed_mid_upload_resumes_from_the_last_committed_step_and_names_
     process = subprocess.Popen(command, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
         deadline = time.monotonic() + 240
+        wait_for_step(process, tmp_path / "run", 2, deadline)
         while not (complete_steps(root) and uploading()) and process.poll() is None:
             assert time.monotonic() < deadline, "no upload was caught in flight"
             time.sleep(0.02)
@@ -223,7 +240,7 @@ def test_a_run_killed_mid_upload_resumes_from_the_last_committed_step_and_names_
     log = done.stdout + done.stderr
     assert f"resumed from step {committed[-1]} in {uri}" in log, log[-3000:]
     assert f"skipping {uri}/step-{torn:06d}: its save never committed" in log, log[-3000:]
-    assert complete_steps(root)[-1] == 40 and uploading() == []  # the torn upload is aborted, not billed
+    assert complete_steps(root)[-1] == steps and uploading() == []  # the torn upload is aborted, not billed
     for step in complete_steps(root):
         marker_matches_store(s3, root, step)
 
@@ -247,7 +264,8 @@ def test_a_signal_commits_the_agreed_step_in_the_store_within_the_grace_or_names
                                    start_new_session=True)
     try:
         deadline = time.monotonic() + 240
-        while len(complete_steps(root)) < 2 and process.poll() is None:
+        wait_for_step(process, tmp_path / "run", 2, deadline)
+        while not complete_steps(root) and process.poll() is None:
             assert time.monotonic() < deadline, "no checkpoint was committed"
             time.sleep(0.05)
         process.send_signal(signal.SIGTERM)
