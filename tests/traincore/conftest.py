@@ -6,7 +6,12 @@ from collections.abc import Callable
 from pathlib import Path
 
 import pytest
-from trainruns import CHECKPOINTED, run_train
+from ranks import start_script, wait_exit
+from trainruns import CHECKPOINTED, train_cmd
+
+import traincore
+
+TRAIN_SCRIPT = Path(traincore.__file__).parent / "train.py"  # what `python -m traincore.train` runs
 
 
 @pytest.fixture(scope="session")
@@ -16,19 +21,38 @@ def data_dir(train_data: Path) -> Path:
 
 
 @pytest.fixture(scope="session")
-def saved(data_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Callable[[str], Path]:
+def forked_train() -> Callable[..., str]:
+    """``forked_train(data, output, nproc, *flags, config=None)``: the command trainruns.train_cmd builds,
+    run as a child forked from the tests' preloaded server (tests/ranks.py) instead of a fresh interpreter:
+    a process of its own (its ranks forked from it), without the imports a fresh one spends (~9 CPU-s of
+    a 10-step run's ~13 on 2 cores). Fails unless it exits 0; returns what it printed (stdout and stderr
+    together). For runs whose own start-up, or which stream a line goes to, no test checks."""
+    def run(data: Path, output: Path, nproc: int, *flags: str, config: dict | None = None) -> str:
+        log = output.with_name(f"{output.name}.log")  # appended to by each run into ``output``
+        start = log.stat().st_size if log.is_file() else 0
+        args = train_cmd(data, output, nproc, *flags, config=config)[3:]  # without python -m traincore.train
+        code = wait_exit(start_script(TRAIN_SCRIPT, args, log), timeout=300)
+        printed = log.read_bytes()[start:].decode(errors="replace")
+        assert code == 0, printed[-6000:]
+        return printed
+    return run
+
+
+@pytest.fixture(scope="session")
+def saved(data_dir: Path, forked_train: Callable[..., str],
+          tmp_path_factory: pytest.TempPathFactory) -> Callable[[str], Path]:
     """``saved("<parallelism>-<mode>-<ranks>")``: the checkpoint root (steps 5 and 10) of a 10-step CLI run
-    of CHECKPOINTED on ``data_dir`` written that way, e.g. "fsdp-dcp-2"; its parent is the run's output
-    directory (metrics.jsonl). Each run happens once per session, for every test that asks for it: only
-    read what it wrote, and copy a root before resuming from it."""
+    (``forked_train``) of CHECKPOINTED on ``data_dir`` written that way, e.g. "fsdp-dcp-2"; its parent is
+    the run's output directory (metrics.jsonl). Each run happens once per session, for every test that
+    asks for it: only read what it wrote, and copy a root before resuming from it."""
     roots: dict[str, Path] = {}
 
     def get(name: str) -> Path:
         if name not in roots:
             parallelism, mode, nproc = name.split("-")
-            out = tmp_path_factory.mktemp(name)
-            run_train(data_dir, out, int(nproc), "--max-steps", "10", "--checkpoint-mode", mode,
-                      "--parallelism", parallelism, config=CHECKPOINTED)
+            out = tmp_path_factory.mktemp(name) / "run"
+            forked_train(data_dir, out, int(nproc), "--max-steps", "10", "--checkpoint-mode", mode,
+                         "--parallelism", parallelism, config=CHECKPOINTED)
             roots[name] = out / "checkpoints"
         return roots[name]
     return get

@@ -17,10 +17,13 @@ import pytest
 import torch
 from torch import nn
 
+from traincore.artifacts.evaluate import main as evaluate_main
+from traincore.artifacts.export import main as export_main
 from traincore.checkpoint import complete_steps, read_checkpoint, read_marker, step_dir
 from traincore.config.presets import debug
 from traincore.config.schema import ConfigError, ModelConfig, model_identity
 from traincore.model.build import ModelImportError, build_model, check_trusted, default_units, shard_units
+from traincore.run.cli import main as train_main
 from traincore.run.preflight import check_model_input
 from traincore.run.trainer import Trainer
 
@@ -192,15 +195,25 @@ PACKAGE = {
 }
 
 
-@pytest.fixture
-def package(tmp_path, monkeypatch) -> Path:
-    """The team's package on this process's path and on the PYTHONPATH its children inherit."""
-    root = tmp_path / "site"
+def write_package(root: Path) -> Path:
+    """The team's package, written under ``root``."""
     for name, text in PACKAGE.items():
         (root / name).parent.mkdir(parents=True, exist_ok=True)
         (root / name).write_text(textwrap.dedent(text))
+    return root
+
+
+def python_path(root: Path) -> str:
+    """PYTHONPATH with ``root`` first."""
+    return os.pathsep.join(filter(None, [str(root), os.environ.get("PYTHONPATH")]))
+
+
+@pytest.fixture
+def package(tmp_path, monkeypatch) -> Path:
+    """The team's package on this process's path and on the PYTHONPATH its children inherit."""
+    root = write_package(tmp_path / "site")
     monkeypatch.syspath_prepend(str(root))
-    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(filter(None, [str(root), os.environ.get("PYTHONPATH")])))
+    monkeypatch.setenv("PYTHONPATH", python_path(root))
     yield root
     for name in [m for m in sys.modules if m == "acmenet" or m.startswith("acmenet.")]:
         del sys.modules[name]
@@ -262,20 +275,30 @@ def test_rebuilding_an_imported_model_is_the_users_choice():
         check_trusted(FACTORY, "acmenet.models:other", "exported model m.safetensors")
 
 
-def _cli(module: str, *args: str) -> subprocess.CompletedProcess:
+def _cli(module: str, *args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", module, *args], capture_output=True, text=True, timeout=300,
-                          env={**os.environ, "OMP_NUM_THREADS": "1"})
+                          env={**os.environ, "OMP_NUM_THREADS": "1", **(env or {})})
+
+
+@pytest.fixture(scope="module")
+def team_digits(tmp_path_factory) -> tuple[Path, subprocess.CompletedProcess]:
+    """The team's dataset factory (python:<module>:<callable>) staged by the staging CLI, the package on its
+    PYTHONPATH, once for the module's runs (which only read it): the staged directory and the command."""
+    site = write_package(tmp_path_factory.mktemp("team") / "site")
+    digits_dir = tmp_path_factory.mktemp("team-digits") / "staged"
+    staged = _cli("traincore.stage", "--source", "python:acmenet.data:digits", "--output", str(digits_dir),
+                  "--image-size", "16", "--channels", "1", env={"PYTHONPATH": python_path(site)})
+    return digits_dir, staged
 
 
 @pytest.mark.parametrize("parallelism", ["ddp", "fsdp"])
-def test_an_imported_model_trains_on_two_workers_resumes_exports_and_evaluates(package, tmp_path,
-                                                                               parallelism):
+def test_an_imported_model_trains_on_two_workers_resumes_exports_and_evaluates(package, team_digits, tmp_path,
+                                                                               capsys, parallelism):
     """The team's dataset factory is staged (python:<module>:<callable>); two forked workers train the
     team's model on it (dcp checkpoints), a second command resumes it; after the sharded run, export and
-    evaluate rebuild it only when allowed, and the result classifies the test split."""
-    digits_dir = tmp_path / "staged"
-    staged = _cli("traincore.stage", "--source", "python:acmenet.data:digits", "--output", str(digits_dir),
-                  "--image-size", "16", "--channels", "1")
+    evaluate (their CLIs' main(), in this process) rebuild it only when allowed, and the result classifies
+    the test split."""
+    digits_dir, staged = team_digits
     assert staged.returncode == 0, staged.stderr[-3000:]
     assert "staging: 1,797 / 1,797 samples (100%)" in staged.stderr
     model = {"name": FACTORY, "kwargs": {"hidden": 48, "depth": 2}}
@@ -301,20 +324,24 @@ def test_an_imported_model_trains_on_two_workers_resumes_exports_and_evaluates(p
     if parallelism == "ddp":
         return  # export and evaluation read any checkpoint alike: checked once, on the sharded run's
     exported = tmp_path / "model" / "model.safetensors"
-    refused = _cli("traincore.export", "--checkpoint", str(run / "checkpoints"), "--output", str(exported))
-    assert refused.returncode == 2 and "--trust-model-code" in refused.stderr and not exported.exists()
-    done = _cli("traincore.export", "--checkpoint", str(run / "checkpoints"), "--output", str(exported),
-                "--model-name", FACTORY)
-    assert done.returncode == 0, done.stderr[-3000:]
+    capsys.readouterr()
+    refused = export_main(["--checkpoint", str(run / "checkpoints"), "--output", str(exported)])
+    stderr = capsys.readouterr().err
+    assert refused == 2 and "--trust-model-code" in stderr and not exported.exists()
+    done = export_main(["--checkpoint", str(run / "checkpoints"), "--output", str(exported),
+                            "--model-name", FACTORY])
+    assert done == 0, capsys.readouterr().err[-3000:]
     assert json.loads(exported.with_suffix(".json").read_text())["model"]["kwargs"] == model["kwargs"]
-    refused = _cli("traincore.evaluate", "--model", str(exported), "--data", str(digits_dir))
-    assert refused.returncode == 2 and f"imported model {FACTORY!r}" in refused.stderr, refused.stderr
-    scored = _cli("traincore.evaluate", "--model", str(exported), "--data", str(digits_dir),
-                  "--trust-model-code")
-    assert scored.returncode == 0, scored.stderr[-3000:]
-    accuracy = float(scored.stdout.split("accuracy: ")[1].split()[0])
+    capsys.readouterr()
+    refused = evaluate_main(["--model", str(exported), "--data", str(digits_dir)])
+    stderr = capsys.readouterr().err
+    assert refused == 2 and f"imported model {FACTORY!r}" in stderr, stderr
+    scored = evaluate_main(["--model", str(exported), "--data", str(digits_dir), "--trust-model-code"])
+    printed = capsys.readouterr()
+    assert scored == 0, printed.err[-3000:]
+    accuracy = float(printed.out.split("accuracy: ")[1].split()[0])
     print(f"[imported model, {parallelism}] test accuracy {accuracy:.3f}")
-    assert accuracy >= 0.9, scored.stdout
+    assert accuracy >= 0.9, printed.out
 
     # A warm start from that export, its head excluded, against a start from scratch: the same few steps.
     short = debug().with_overrides({"model": model, "loader.batch_size": 32, "train.max_steps": 8,
@@ -329,15 +356,19 @@ def test_an_imported_model_trains_on_two_workers_resumes_exports_and_evaluates(p
 
 
 @pytest.mark.parametrize("factory", ["acmenet.models:not_a_model", "acmenet.exits:exits"])
-def test_a_bad_factory_fails_the_cli_before_any_worker_starts(package, digits_dir, tmp_path, factory):
+def test_a_bad_factory_fails_the_cli_before_any_worker_starts(package, digits_dir, tmp_path, factory,
+                                                              monkeypatch, capfd):
     """A factory that returns no module, or calls sys.exit(0) (which once ended the run with exit code 0 and
-    nothing written), is one error line and exit code 2."""
+    nothing written), is one error line and exit code 2: the CLI's main() in this process, which would fork
+    the workers (what reaches file descriptor 2, theirs too)."""
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
     config = json.dumps({"model": {"name": factory}})
-    done = _cli("traincore.train", "--data", str(digits_dir), "--output", str(tmp_path / "run"), "--preset",
-                "debug", "--config", config, "--nproc-per-node", "2")
-    assert done.returncode == 2
-    assert done.stderr.strip().splitlines()[-1].startswith(f"error: model.name={factory!r}:")
-    assert "global batch" not in done.stderr  # no worker reached its loader
+    code = train_main(["--data", str(digits_dir), "--output", str(tmp_path / "run"), "--preset", "debug",
+                       "--config", config, "--nproc-per-node", "2"])
+    stderr = capfd.readouterr().err
+    assert code == 2
+    assert stderr.strip().splitlines()[-1].startswith(f"error: model.name={factory!r}:")
+    assert "global batch" not in stderr  # no worker reached its loader
     assert not (tmp_path / "run" / "checkpoints").exists()
 
 

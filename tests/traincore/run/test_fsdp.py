@@ -4,13 +4,11 @@ on another world size and under the other parallelism with exactly the state the
 from __future__ import annotations
 
 import json
-import os
 import shutil
-import subprocess
-import sys
 
 import pytest
 import torch
+from ranks import start_script, wait_exit
 from safetensors.torch import load_file
 from trainruns import CHECKPOINTED, final_weights, killed_and_resumed, run_train
 
@@ -21,11 +19,11 @@ from traincore.model.build import build_model, shard_units
 
 FSDP = ("--parallelism", "fsdp")
 
-# `python check_loaded.py DATA ROOT PARALLELISM STEPS REPORT CONFIG NPROC`: on NPROC ranks (torch elastic's
-# workers, forked from this process as the train CLI forks its own), build a Trainer on a checkpoint root (a
-# Trainer loads the latest checkpoint when it is built), compare the whole state it loaded with the
-# checkpoint's files read by torch's own tools, bit for bit, before any step; then train to the end. Rank 0
-# writes what it found to REPORT.
+# `python check_loaded.py DATA ROOT PARALLELISM STEPS REPORT CONFIG NPROC`, run as a child forked from
+# tests/ranks.py's server: on NPROC ranks (torch elastic's workers, forked from that child as the train CLI
+# forks its own), build a Trainer on a checkpoint root (a Trainer loads the latest checkpoint when it is
+# built), compare the whole state it loaded with the checkpoint's files read by torch's own tools, bit for
+# bit, before any step; then train to the end. Rank 0 writes what it found to REPORT.
 CHECK_LOADED = r'''
 import json, sys
 from pathlib import Path
@@ -74,13 +72,6 @@ if __name__ == "__main__":
 CONFIG = CHECKPOINTED  # the config of conftest.py's ``saved`` runs, which these continue
 
 
-def run_script(*args: str) -> subprocess.CompletedProcess:
-    done = subprocess.run([sys.executable, *args], capture_output=True, text=True, timeout=300,
-                          env={**os.environ, "OMP_NUM_THREADS": "1"})
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-    return done
-
-
 @pytest.mark.parametrize("written, nproc, parallelism", [
     ("fsdp-dcp-2", 1, "fsdp"), ("fsdp-dcp-2", 3, "fsdp"), ("fsdp-dcp-2", 2, "ddp"),
     ("fsdp-sync-2", 3, "ddp"), ("fsdp-async-2", 1, "fsdp"), ("ddp-dcp-1", 2, "fsdp"),
@@ -89,19 +80,20 @@ def test_a_checkpoint_continues_on_another_world_size_and_parallelism(saved, dat
                                                                        nproc, parallelism):
     root = tmp_path / "checkpoints"
     shutil.copytree(saved(written), root)
-    script, report = tmp_path / "check_loaded.py", tmp_path / "report.json"
+    script, report, log = tmp_path / "check_loaded.py", tmp_path / "report.json", tmp_path / "check.log"
     script.write_text(CHECK_LOADED)
-    run_script(str(script), str(data_dir), str(root), parallelism, "15", str(report), json.dumps(CONFIG),
-               str(nproc))
+    args = [data_dir, root, parallelism, 15, report, json.dumps(CONFIG), nproc]
+    assert wait_exit(start_script(script, args, log), timeout=300) == 0, log.read_text()[-6000:]
     found = json.loads(report.read_text())
     assert found["step"] == 10 and found["world_size"] == nproc
     assert found["compared"] > 10 and found["different"] == [], found  # model and optimizer, bit for bit
     assert complete_steps(root)[-1] == 15
 
 
-def test_a_killed_fsdp_run_resumes_to_the_weights_of_an_uninterrupted_one(data_dir, tmp_path):
+def test_a_killed_fsdp_run_resumes_to_the_weights_of_an_uninterrupted_one(data_dir, forked_train, tmp_path):
     reference = tmp_path / "reference"
-    run_train(data_dir, reference, 2, "--max-steps", "30", "--checkpoint-mode", "dcp", *FSDP, config=CONFIG)
+    forked_train(data_dir, reference, 2, "--max-steps", "30", "--checkpoint-mode", "dcp", *FSDP,
+                 config=CONFIG)
     killed = tmp_path / "killed"
     killed_and_resumed(data_dir, killed, 30, "--checkpoint-mode", "dcp", *FSDP, config=CONFIG)
     expected, actual = final_weights(reference), final_weights(killed)

@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 
 from traincore.checkpoint import complete_steps
+from traincore.run.cli import main
 from traincore.run.launch import start_method
 
 TINY = {"model": {"name": "small_cnn", "width": 8}, "loader": {"batch_size": 16},
@@ -66,12 +67,16 @@ TWO = ["--nproc-per-node", "2"]
     ("digits", ["--max-restarts", "1"], "add --nproc-per-node N"),
 ])
 def test_bad_input_is_refused_by_the_parent_before_any_worker_starts(digits_dir, tmp_path, data, flags,
-                                                                     message):
+                                                                     message, monkeypatch, capfd):
+    """The CLI's main() in this process, the parent: what reaches file descriptor 2 (a worker's too)."""
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
     data_dir = digits_dir if data == "digits" else tmp_path / data
-    done = train(data_dir, tmp_path / "run", *flags)
-    assert done.returncode == 2, done.stderr[-3000:]
-    assert message in done.stderr and done.stderr.count("error: ") == 1, done.stderr[-3000:]
-    assert "[rank" not in done.stderr  # no worker set up its logging
+    code = main(["--data", str(data_dir), "--output", str(tmp_path / "run"), "--preset", "debug", "--config",
+                 json.dumps(TINY), *flags])
+    stderr = capfd.readouterr().err
+    assert code == 2, stderr[-3000:]
+    assert message in stderr and stderr.count("error: ") == 1, stderr[-3000:]
+    assert "[rank" not in stderr  # no worker set up its logging
     assert not (tmp_path / "run").exists()
 
 

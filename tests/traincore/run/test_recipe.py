@@ -2,11 +2,7 @@
 
 from __future__ import annotations
 
-import json
-import os
 import shutil
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -89,25 +85,21 @@ def test_accumulated_batches_make_the_step_of_one_batch_of_all_their_samples(syn
 
 
 @pytest.mark.parametrize("parallelism", ["ddp", "fsdp"])
-def test_ranks_accumulate_locally_and_synchronise_once_per_step(synthetic_dir, tmp_path, parallelism):
+def test_ranks_accumulate_locally_and_synchronise_once_per_step(synthetic_dir, forked_train, tmp_path,
+                                                                parallelism):
     """Two workers of 2 accumulated batches of 8 each (no gradient sync but in the last backward) end where
     one process of 2 accumulated batches of 16 does; a kill after step 2 and a resume end bitwise where the
     uninterrupted two-worker run did."""
     base = debug().with_overrides(MLP).with_overrides({"train.max_steps": 4, "train.grad_accum_steps": 2})
     Trainer(base.with_overrides({"loader.batch_size": 16}), synthetic_dir, tmp_path / "one").train()
-    config = json.dumps(MLP | {"loader": {"batch_size": 8}, "train": {"grad_accum_steps": 2}})
-    command = [sys.executable, "-m", "traincore.train", "--data", str(synthetic_dir), "--preset", "debug",
-               "--config", config, "--nproc-per-node", "2", "--parallelism", parallelism, "--max-steps", "4"]
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    done = subprocess.run([*command, "--output", str(tmp_path / "two")], capture_output=True, text=True,
-                          timeout=300, env=env)
-    assert done.returncode == 0, done.stderr[-3000:]
-    assert "global batch 32 (2 accumulated batches of 16)" in done.stderr
+    config = MLP | {"loader": {"batch_size": 8}, "train": {"grad_accum_steps": 2}}
+    flags = ("--parallelism", parallelism, "--max-steps", "4")
+    printed = forked_train(synthetic_dir, tmp_path / "two", 2, *flags, config=config)
+    assert "global batch 32 (2 accumulated batches of 16)" in printed
     assert close(final_weights(tmp_path / "one"), final_weights(tmp_path / "two"))
     shutil.copytree(tmp_path / "two", tmp_path / "resumed")
     shutil.rmtree(step_dir(tmp_path / "resumed" / "checkpoints", 4))  # killed before its last save
-    done = subprocess.run([*command, "--output", str(tmp_path / "resumed")], capture_output=True, text=True,
-                          timeout=300, env=env)
-    assert done.returncode == 0 and "resumed from step 2" in done.stderr, done.stderr[-3000:]
+    printed = forked_train(synthetic_dir, tmp_path / "resumed", 2, *flags, config=config)
+    assert "resumed from step 2" in printed, printed[-3000:]
     a, b = final_weights(tmp_path / "two"), final_weights(tmp_path / "resumed")
     assert all(torch.equal(a[name], b[name]) for name in a)

@@ -5,18 +5,25 @@ from __future__ import annotations
 import gc
 import hashlib
 import json
-import os
-import subprocess
-import sys
+import shutil
 
 import pytest
 import torch
+from ranks import start_script, wait_exit, warm
 from trainruns import TINY, final_weights, killed_and_resumed, run_train, train_losses
 
 from traincore.checkpoint import complete_steps
 from traincore.config.schema import ModelConfig
+from traincore.run.cli import main
 from traincore.run.preflight import check_model_input
 from traincore.run.trainer import gc_paused
+
+
+@pytest.fixture(scope="module", autouse=True)
+def child_server() -> None:
+    """The children's server (tests/ranks.py) imports while the first test's run trains, not when the first
+    child starts."""
+    warm()
 
 
 def test_two_process_training_learns_and_matches_golden_losses(data_dir, tmp_path):
@@ -47,9 +54,9 @@ def test_gc_paused_freezes_what_exists_and_restores_the_collector():
     assert gc.isenabled() and gc.get_freeze_count() == 0
 
 
-def test_killed_run_resumes_to_bitwise_identical_weights(data_dir, tmp_path):
+def test_killed_run_resumes_to_bitwise_identical_weights(data_dir, forked_train, tmp_path):
     ref = tmp_path / "reference"
-    run_train(data_dir, ref, 2, "--max-steps", "40", "--checkpoint-every", "5")
+    forked_train(data_dir, ref, 2, "--max-steps", "40", "--checkpoint-every", "5")
     killed = tmp_path / "killed"
     killed_and_resumed(data_dir, killed, 40, "--checkpoint-every", "5")
     expected, actual = final_weights(ref), final_weights(killed)
@@ -59,12 +66,12 @@ def test_killed_run_resumes_to_bitwise_identical_weights(data_dir, tmp_path):
 
 
 @pytest.mark.parametrize("resume_nproc", [1, 3])
-def test_resume_on_a_different_world_size(data_dir, tmp_path, resume_nproc):
+def test_resume_on_a_different_world_size(data_dir, saved, forked_train, tmp_path, resume_nproc):
     out = tmp_path / "run"
-    run_train(data_dir, out, 2, "--max-steps", "10", "--checkpoint-every", "5", "--checkpoint-mode", "dcp")
-    done = run_train(data_dir, out, resume_nproc, "--max-steps", "20", "--checkpoint-every", "5",
-                     "--checkpoint-mode", "dcp")
-    assert "resumed from step 10" in done.stdout + done.stderr
+    shutil.copytree(saved("ddp-dcp-2").parent, out)  # 10 steps on 2 ranks, dcp checkpoints every 5
+    printed = forked_train(data_dir, out, resume_nproc, "--max-steps", "20", "--checkpoint-every", "5",
+                           "--checkpoint-mode", "dcp")
+    assert "resumed from step 10" in printed
     assert complete_steps(out / "checkpoints")[-1] == 20
     losses = train_losses(out)
     assert all(torch.isfinite(torch.tensor(losses)))
@@ -77,14 +84,17 @@ def test_resume_on_a_different_world_size(data_dir, tmp_path, resume_nproc):
     (["--config", '{"nope": {}}'], "unknown config section 'nope'"),
     (["--checkpoint-mode", "dcp", "--config", "{not json"], "not valid JSON"),
 ])
-def test_bad_config_is_rejected_before_any_process_group(data_dir, tmp_path, flags, message):
-    cmd = [sys.executable, "-m", "traincore.train", "--data", str(data_dir), "--output", str(tmp_path / "o"),
-           "--preset", "debug", *flags]
-    # A process-group start would need MASTER_ADDR and block; the error must come first.
-    env = {**os.environ, "WORLD_SIZE": "2", "RANK": "0", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "1"}
-    done = subprocess.run(cmd, capture_output=True, text=True, timeout=60, env=env)
-    assert done.returncode == 2
-    assert message in done.stderr
+def test_bad_config_is_rejected_before_any_process_group(data_dir, tmp_path, flags, message, monkeypatch,
+                                                         capsys, listening_port):
+    """The CLI's main() in this process, as a torchrun worker of rank 0 would run it: a process-group start
+    would fail at once on the busy MASTER_PORT (a RuntimeError, not this exit code and message); the
+    error must come first."""
+    for name, value in {"WORLD_SIZE": "2", "RANK": "0", "MASTER_ADDR": "127.0.0.1",
+                        "MASTER_PORT": str(listening_port)}.items():
+        monkeypatch.setenv(name, value)
+    code = main(["--data", str(data_dir), "--output", str(tmp_path / "o"), "--preset", "debug", *flags])
+    assert code == 2
+    assert message in capsys.readouterr().err
     assert not (tmp_path / "o").exists()
 
 
@@ -107,11 +117,9 @@ def test_images_too_small_for_the_model_are_refused():
     check_model_input(ModelConfig(name="mlp", width=8), 3, (1, 2, 2), "2x2 data", batch_size=1)
 
 
-def test_missing_data_directory_is_a_clear_error(tmp_path):
-    cmd = [sys.executable, "-m", "traincore.train", "--data", str(tmp_path / "absent"),
-           "--output", str(tmp_path)]
-    done = subprocess.run(cmd, capture_output=True, text=True, timeout=60)
-    assert done.returncode == 2 and "is not a staged dataset" in done.stderr
+def test_missing_data_directory_is_a_clear_error(tmp_path, capsys):
+    code = main(["--data", str(tmp_path / "absent"), "--output", str(tmp_path)])  # the CLI, in this process
+    assert code == 2 and "is not a staged dataset" in capsys.readouterr().err
 
 
 def test_a_trainer_is_complete_once_built_and_restores_process_settings(data_dir, tmp_path):
@@ -143,8 +151,10 @@ def test_a_trainer_is_complete_once_built_and_restores_process_settings(data_dir
     assert process_settings() == before
 
 
-# Run under torchrun: a Trainer warm-starts from argv[3] (init_exclude head.*) under FSDP on two ranks; rank 0
-# gathers the whole model it built and writes which tensors equal the file's to argv[4].
+# `python warm.py DATA OUT WEIGHTS REPORT`, run as a child forked from tests/ranks.py's server: on two ranks
+# (torch elastic's workers, forked from that child as the train CLI forks its own), a Trainer warm-starts from
+# WEIGHTS (init_exclude head.*) under FSDP; rank 0 gathers the whole model it built and writes which tensors
+# equal the file's to REPORT.
 WARM_SHARDED = r'''
 import json, sys
 from pathlib import Path
@@ -152,20 +162,26 @@ import torch
 from safetensors.torch import load_file
 from torch.distributed.tensor import DTensor
 from traincore.config.presets import build_config
+from traincore.run.launch import launch_local
 from traincore.run.state import ModelState
 from traincore.run.trainer import Trainer
 
-data, out, weights, report = sys.argv[1:5]
-config = {"model": {"name": "small_cnn", "width": 8, "init_from": weights, "init_exclude": ["head.*"]}}
-cfg = build_config("debug", config, {"dist.parallelism": "fsdp", "telemetry.tensorboard": False})
-with Trainer(cfg, data, out) as trainer:
-    sharded = any(isinstance(p, DTensor) for p in trainer.model.parameters())
-    loaded = ModelState(trainer.model).full_state_dict()
-    if trainer.ctx.is_main:
-        saved = load_file(weights)
-        same = sorted(name for name in loaded if torch.equal(loaded[name], saved[name]))
-        found = {"same": same, "sharded": sharded, "init": trainer.run_meta["init"]}
-        Path(report).write_text(json.dumps(found))
+
+def warm_start(data, out, weights, report):
+    config = {"model": {"name": "small_cnn", "width": 8, "init_from": weights, "init_exclude": ["head.*"]}}
+    cfg = build_config("debug", config, {"dist.parallelism": "fsdp", "telemetry.tensorboard": False})
+    with Trainer(cfg, data, out) as trainer:
+        sharded = any(isinstance(p, DTensor) for p in trainer.model.parameters())
+        loaded = ModelState(trainer.model).full_state_dict()
+        if trainer.ctx.is_main:
+            saved = load_file(weights)
+            same = sorted(name for name in loaded if torch.equal(loaded[name], saved[name]))
+            found = {"same": same, "sharded": sharded, "init": trainer.run_meta["init"]}
+            Path(report).write_text(json.dumps(found))
+
+
+if __name__ == "__main__":
+    launch_local(warm_start, tuple(sys.argv[1:5]), 2)
 '''
 
 
@@ -183,13 +199,10 @@ def test_a_sharded_run_warm_starts_every_rank_from_the_file(data_dir, tmp_path):
     """The warm start loads into the model as the run holds it (here sharded by FSDP on two ranks): the
     whole model gathered afterwards is the file's, but for the excluded head."""
     weights, state = _start_weights(tmp_path)
-    script = tmp_path / "warm.py"
+    script, log = tmp_path / "warm.py", tmp_path / "warm.log"
     script.write_text(WARM_SHARDED)
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
-               str(script), str(data_dir), str(tmp_path / "run"), str(weights), str(tmp_path / "report.json")]
-    done = subprocess.run(command, capture_output=True, text=True, timeout=300,
-                          env={**os.environ, "OMP_NUM_THREADS": "1"})
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    args = [data_dir, tmp_path / "run", weights, tmp_path / "report.json"]
+    assert wait_exit(start_script(script, args, log), timeout=300) == 0, log.read_text()[-6000:]
     report = json.loads((tmp_path / "report.json").read_text())
     assert report["sharded"]
     assert report["same"] == sorted(name for name in state if not name.startswith("head."))
