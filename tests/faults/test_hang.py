@@ -1,9 +1,11 @@
 """A worker that hangs in a collective after step 1 fails the run within dist.step_timeout_s, never silently.
 
-A test-only entry point wraps ``traincore.run.cli.main``: rank 1 sleeps for an hour on its second call of
-``train_step``, so rank 0 waits in step 2's first collective. With ``dist.step_timeout_s`` small (the start-up
-allowance, ``dist.init_timeout_s``, stays at 900 s) rank 0 must raise an error that names the timeout and the
-fix, torchrun's agent must tear the hung rank down, and no process of the run may be left.
+A test-only entry point wraps ``traincore.run.cli.main``, run with ``--nproc-per-node 2`` (its workers fork
+from it, patch included): rank 1 sleeps for an hour on its second call of ``train_step``, so rank 0 waits in
+step 2's first collective. With ``dist.step_timeout_s`` small (the start-up allowance,
+``dist.init_timeout_s``, stays at 900 s) rank 0 must raise an error that names the timeout and the fix, the
+launcher's agent (torch elastic's, as under torchrun) must tear the hung rank down, and no process of the run
+may be left.
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ import time
 from faultlib import TINY, child_env, descendants, kill_tree, still_running, train_args, wait_for
 
 STEP_TIMEOUT_S = 5
-# Rank 0's wait is STEP_TIMEOUT_S; on top come its error path, the agent's monitor interval (0.5 s) and
+# Rank 0's wait is STEP_TIMEOUT_S; on top come its error path, the agent's monitor interval (0.1 s) and
 # the teardown of rank 1, all slow on a busy 2-core machine. Far below the 900 s start-up allowance.
 MARGIN_S = 30
 HANG_MARK = "test: rank 1 hangs in step 2"
@@ -51,12 +53,11 @@ sys.exit(traincore.run.cli.main())
 
 
 def test_hung_worker_fails_the_run_within_the_step_timeout(fault_data, tmp_path):
-    script, log = tmp_path / "hanging_train.py", tmp_path / "torchrun.log"
+    script, log = tmp_path / "hanging_train.py", tmp_path / "run.log"
     script.write_text(HANGING_ENTRY)
     config = {**TINY, "dist": {"step_timeout_s": STEP_TIMEOUT_S, "init_timeout_s": 900}}
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
-               "--max-restarts=0", "--monitor-interval=0.5", str(script),
-               *train_args(fault_data, tmp_path / "run", "--max-steps", "50", config=config)]
+    command = [sys.executable, str(script), *train_args(fault_data, tmp_path / "run", "--nproc-per-node", "2",
+                                                        "--max-steps", "50", config=config)]
     with log.open("w") as sink:
         process = subprocess.Popen(command, stdout=sink, stderr=subprocess.STDOUT, env=child_env(),
                                    start_new_session=True)

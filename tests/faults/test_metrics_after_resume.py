@@ -1,16 +1,18 @@
-"""metrics.jsonl and TensorBoard after a relaunch: a torchrun tree SIGKILLed after a checkpoint, then run
-again with the same command, reports every step exactly once; a resume that fails writes nothing."""
+"""metrics.jsonl and TensorBoard after a relaunch: a two-worker run (the CLI's --nproc-per-node, torch
+elastic's agent and its workers) SIGKILLed after a checkpoint, then run again with the same command, reports
+every step exactly once; a resume that fails writes nothing."""
 
 from __future__ import annotations
 
 import json
 import signal
 import subprocess
+import sys
 import time
 from pathlib import Path
 
 import pytest
-from faultlib import TINY, child_env, kill_tree, metric_rows, run, torchrun, train_args, wait_for
+from faultlib import TINY, child_env, kill_tree, metric_rows, run, train_args, wait_for
 
 from traincore.checkpoint import CheckpointError, complete_steps
 from traincore.config.presets import preset
@@ -50,8 +52,10 @@ def test_a_relaunched_run_reports_every_step_once(fault_data, tmp_path):
     from tensorboard.backend.event_processing.plugin_event_accumulator import EventAccumulator
 
     output = tmp_path / "run"
-    command = torchrun(2, "traincore.train", *train_args(fault_data, output, "--max-steps", str(MAX_STEPS),
-                                                         "--checkpoint-every", str(EVERY), config=CONFIG))
+    # The launcher is not what is tested: the CLI's workers fork from one interpreter, torchrun starts three.
+    flags = ("--nproc-per-node", "2", "--max-steps", str(MAX_STEPS), "--checkpoint-every", str(EVERY))
+    command = [sys.executable, "-m", "traincore.train",
+               *train_args(fault_data, output, *flags, config=CONFIG)]
     with open(tmp_path / "first.log", "w") as log:
         first = subprocess.Popen(command, env=child_env(), stdout=log, stderr=subprocess.STDOUT)
     try:
