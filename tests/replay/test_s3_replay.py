@@ -12,8 +12,10 @@ run from a step before the end (its last step dropped, as if the attempt died be
   back as the run left it): bitwise the weights of the uninterrupted run (the same world size and pods,
   deterministic CPU training of the example team package's model, examples/teamnet, which fast
   registration ships with the code);
-- a new execution on one pod of two processes, from its own copy of the root: its processes run one torch
-  thread each, and it ends within float rounding of the uninterrupted run;
+- a new execution on one pod of two processes, from its own copy of the root, its store the replay's
+  default, a local directory (its checkpoints still in the bucket): the fast registration replayed end to
+  end (every node; the train pod fetched the code tarball into its own directory and ran from there); its
+  processes run one torch thread each, and it ends within float rounding of the uninterrupted run;
 - a new execution on one pod of one process with a restart budget (max_restarts=1), from its own copy: the
   pod's environment has no OMP_NUM_THREADS, so its one elastic worker runs at torch's default thread count
   (every core), the worker that once hung when it was forked from the task's process; it trains to the end
@@ -106,19 +108,21 @@ def assert_no_secret(s3, workdir: Path, prefix: str) -> None:
                 if secret in client.get_object(Bucket=s3.bucket, Key=key)["Body"].read()]
 
 
-def resumed_execution(run: SimpleNamespace, workdir: Path, *topology: str) -> SimpleNamespace:
-    """A new execution on ``topology`` (its own store) from a copy of the run's root, its last step
-    dropped: the step it resumes from (``latest``), the copy (``root``), the replay's summary and the train
-    node's (``train``)."""
+def resumed_execution(run: SimpleNamespace, workdir: Path, *topology: str,
+                      s3_store: bool = True) -> SimpleNamespace:
+    """A new execution on ``topology`` from a copy of the run's root, its last step dropped; its own store,
+    in the bucket, or with ``s3_store=False`` the replay's default (a directory in ``workdir``): the step it
+    resumes from (``latest``), the copy (``root``), the replay's output and summary and the train node's
+    summary (``train``)."""
     prefix, root = root_copy(run)
     latest = drop_last_step(root)
+    store = ("--store", f"s3://{run.s3.bucket}/store-{workdir.name}") if s3_store else ()
     code, output, summary = run_replay(
         run.package, workdir, *topology, "parallelism=fsdp", f"max_steps={MAX_STEPS}",
-        f"config_overrides={CONFIG}", f"checkpoint_uri={root}",
-        options=("--store", f"s3://{run.s3.bucket}/store-{workdir.name}"), env=run.s3.env)
+        f"config_overrides={CONFIG}", f"checkpoint_uri={root}", options=store, env=run.s3.env)
     assert code == 0, output[-6000:]
     assert_no_secret(run.s3, workdir, prefix)
-    return SimpleNamespace(latest=latest, root=root, summary=summary,
+    return SimpleNamespace(latest=latest, root=root, output=output, summary=summary,
                            train=summary["node_outputs"][TRAIN_NODE]["o0"]["summary"])
 
 
@@ -195,8 +199,20 @@ def test_flyte_retry_of_the_train_node_resumes_the_root_bitwise(two_pods, tmp_pa
 
 
 def test_one_pod_of_two_processes_resumes_a_copy_of_the_root(two_pods, tmp_path):
-    run = resumed_execution(two_pods, tmp_path / "one-pod", "nnodes=1", "nproc_per_node=2")
+    workdir = tmp_path / "one-pod"
+    run = resumed_execution(two_pods, workdir, "nnodes=1", "nproc_per_node=2", s3_store=False)
     assert resumed(run.train) == (run.latest, MAX_STEPS, 2)
+    # Fast registration end to end with the replay's default store, a local directory: every node ran, the
+    # train node as the task for 1 node x 2 processes in one pod, which fetched the code tarball into its
+    # own directory and ran from there, not from the checkout; the first attempt has no previous checkpoint.
+    assert [n["node_id"] for n in run.summary["nodes"]] == ["n0", "n1", "n2", TRAIN_NODE, "n3", "n4"]
+    (node,) = [node for node in run.summary["nodes"] if node["node_id"] == TRAIN_NODE]
+    assert node["task"].endswith("1x2") and node["pods"] == 1
+    (pod,) = workdir.glob(f"pods/{run.summary['execution']}-{TRAIN_NODE}-0*")
+    args = json.loads((pod / "pod.json").read_text())["args"]
+    assert args[0] == "pyflyte-fast-execute" and (pod / "code" / "tasks" / "train.py").is_file()
+    assert "--prev-checkpoint" in args and args[args.index("--prev-checkpoint") + 1] == '""'
+    assert "replay: output report: accuracy" in run.output and "tasks.evaluate.evaluate_model" in run.output
     # The same world size, but two processes share one pod's cores (one torch thread each, where each pod
     # of the job ran two): CPU kernels round differently in the last bits, and twenty steps carry that on.
     # The run still took the uninterrupted one's path from step `latest`: where it ends is far closer to
