@@ -3,6 +3,8 @@ uninterrupted runs that faulted runs are compared with."""
 
 from __future__ import annotations
 
+import fcntl
+import os
 import shutil
 import sys
 from collections.abc import Callable
@@ -32,17 +34,29 @@ def uninterrupted_run(fault_data: Path, tmp_path_factory: pytest.TempPathFactory
     """``uninterrupted_run(steps)``: the checkpoint root of an uninterrupted two-worker run of faultlib's TINY
     config on ``fault_data`` for ``steps`` steps (a checkpoint every REFERENCE_EVERY steps and at the last),
     its workers forked by the train CLI: seconds cheaper than torchrun's fresh interpreters, the same ranks
-    and bitwise the same weights. Each run happens once per session, for every file that compares with it
-    (tests/faults/test_preempted_runs.py and test_restarts.py train the same steps): only read it."""
-    roots: dict[int, Path] = {}
+    and bitwise the same weights. Only read it.
+
+    Each run happens once per test run, for every file that compares with it (test_preempted_runs.py and
+    test_restarts.py train the same steps), also when pytest-xdist gives those files to different workers:
+    the first worker to ask makes it, under a lock, in the base temporary directory the workers share; the
+    others wait for it. Each worker stages ``fault_data`` itself, to the same bytes."""
+    base = tmp_path_factory.getbasetemp()
+    shared = base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base
 
     def get(steps: int) -> Path:
-        if steps not in roots:
-            output = tmp_path_factory.mktemp(f"uninterrupted-{steps}")
-            command = [sys.executable, "-m", "traincore.train", "--nproc-per-node", "2", *train_args(
-                fault_data, output, "--max-steps", str(steps), "--checkpoint-every", str(REFERENCE_EVERY))]
-            done = run(command, timeout=300)
-            assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-4000:]
-            roots[steps] = output / "checkpoints"
-        return roots[steps]
+        output = shared / f"uninterrupted-{steps}"
+        with open(shared / f"uninterrupted-{steps}.lock", "w") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes
+            if not (output / "done").is_file():  # a worker that failed or died left no marker: run again
+                shutil.rmtree(output, ignore_errors=True)
+                train_uninterrupted(fault_data, output, steps)
+                (output / "done").touch()
+        return output / "checkpoints"
     return get
+
+
+def train_uninterrupted(data: Path, output: Path, steps: int) -> None:
+    """Train TINY on ``data`` for ``steps`` steps on the CLI's two forked workers, into ``output``."""
+    args = train_args(data, output, "--max-steps", str(steps), "--checkpoint-every", str(REFERENCE_EVERY))
+    done = run([sys.executable, "-m", "traincore.train", "--nproc-per-node", "2", *args], timeout=300)
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-4000:]
