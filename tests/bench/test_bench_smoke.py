@@ -1,5 +1,5 @@
-"""The benchmark runner, the end-to-end and the sharded-checkpoint benchmarks run at tiny sizes and write
-their tables.
+"""The benchmark runner, the loader, end-to-end, sharded-checkpoint and object-store benchmarks run at tiny
+sizes and write their tables (the last two in one run of the runner, shared by their tests).
 
 Speed is not asserted here: the benchmarks print their ratios; these tests only check that they run.
 """
@@ -25,14 +25,23 @@ def _runner():
     return module
 
 
-def tiny_run(tmp_path: Path, name: str) -> dict:
-    """``bench/run.py --only NAME --tiny`` into ``tmp_path/results``: the benchmark's entry of latest.json."""
-    done = subprocess.run([sys.executable, "bench/run.py", "--only", name, "--tiny", "--results",
-                           str(tmp_path / "results"), "--scratch", str(tmp_path / "scratch")],
+@pytest.fixture(scope="module")
+def tiny_results(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """``bench/run.py --only sharded object_store --tiny``, once for the module: its results directory. One
+    runner for both saves a start-up (torch's import, for the machine's record)."""
+    out = tmp_path_factory.mktemp("bench")
+    done = subprocess.run([sys.executable, "bench/run.py", "--only", "sharded", "object_store", "--tiny",
+                           "--results", str(out / "results"), "--scratch", str(out / "scratch")],
                           cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
-    bench = json.loads((tmp_path / "results" / "latest.json").read_text())["benchmarks"][0]
-    assert bench["benchmark"] == name and "error" not in bench, bench
+    return out / "results"
+
+
+def tiny_result(results: Path, name: str) -> dict:
+    """The entry of benchmark ``name`` in ``results``/latest.json, which must have run without an error."""
+    bench = next(b for b in json.loads((results / "latest.json").read_text())["benchmarks"]
+                 if b["benchmark"] == name)
+    assert "error" not in bench, bench
     return bench
 
 
@@ -92,11 +101,11 @@ STEP_COLUMNS = {"parallelism", "step_s", "rank0_state_mb", "rank1_state_mb", "ra
                 "rank1_peak_rss_gib", "step_vs_ddp", "state_vs_ddp", "peak_rss_vs_ddp"}
 
 
-def test_sharded_bench_shows_where_each_mode_writes(tmp_path):
+def test_sharded_bench_shows_where_each_mode_writes(tiny_results):
     """About 20 MB of FSDP state on two ranks, through the runner: every column, naive writes everything
     from rank 0 after gathering rank 1's half, the DCP modes split the bytes, fsdp holds half of ddp."""
-    results = tmp_path / "results"
-    sharded = tiny_run(tmp_path, "sharded")
+    results = tiny_results
+    sharded = tiny_result(results, "sharded")
     state_mb = sharded["state_bytes"] / 1e6
     assert 15 < state_mb < 30
     rows = {row["mode"]: row for row in sharded["results"]}
@@ -144,8 +153,8 @@ def test_merge_keeps_the_benchmarks_not_run_with_their_run(tmp_path):
     assert run.merged(tmp_path / "absent.json", fresh) == fresh
 
 
-def test_object_store_bench_saves_into_a_local_s3_server_and_compares(tmp_path):
-    bench = tiny_run(tmp_path, "object_store")
+def test_object_store_bench_saves_into_a_local_s3_server_and_compares(tiny_results):
+    bench = tiny_result(tiny_results, "object_store")
     rows = {row["case"]: row for row in bench["results"]}
     dcp = rows["dcp into the store (ours)"]
     plain = rows["multipart upload of the shards' bytes (s3fs pipe_file)"]
