@@ -5,21 +5,24 @@ from __future__ import annotations
 
 import json
 import logging
+import multiprocessing
 import os
 import re
 import signal
 import subprocess
-import sys
 import time
 import uuid
 import zlib
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 import torch
+from ranks import start_script, wait_exit
 from test_checkpoint import assert_same, load, make_state, save_steps, snapshot, train  # noqa: I001  (beside this file)
 from trainruns import CHECKPOINTED, TINY, kill_tree, train_cmd
 
+import traincore
 from traincore.checkpoint import (
     MARKER,
     Checkpointer,
@@ -36,6 +39,7 @@ from traincore.run.preemption import PREEMPTED_EXIT_CODE, read_record
 from traincore.run.preflight import OutputError, ensure_writable_store
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
+TRAIN_SCRIPT = Path(traincore.__file__).parent / "train.py"  # what `python -m traincore.train` runs
 
 
 def fresh_root(s3, name: str) -> Store:
@@ -147,28 +151,42 @@ def test_preflight_names_an_object_store_root_it_cannot_write(s3_server):
 
 # ---- several ranks, through the CLI --------------------------------------------------------------
 
-def train_on_store(data_dir: Path, output: Path, nproc: int, root: str, env: dict, *flags: str) -> str:
-    command = train_cmd(data_dir, output, nproc, "--checkpoint-dir", root, *flags, config=CHECKPOINTED)
-    done = subprocess.run(command, capture_output=True, text=True, timeout=300,
-                          env={**os.environ, "OMP_NUM_THREADS": "1", **env})
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-    return done.stdout + done.stderr
+def start_on_store(data_dir: Path, output: Path, nproc: int, root: str, env: dict, *flags: str,
+                   config: dict = CHECKPOINTED) -> multiprocessing.Process:
+    """The train CLI on ``nproc`` ranks (trainruns.train_cmd's arguments) checkpointing into ``root``, started
+    as a child forked from the tests' preloaded server (tests/ranks.py, as conftest.py's ``forked_train``
+    runs): a process of its own that forks its ranks, without the imports a fresh interpreter spends; ``env``
+    added to its environment, what it prints appended to ``output``.log. None of these tests is about the
+    CLI's start-up."""
+    args = train_cmd(data_dir, output, nproc, "--checkpoint-dir", root, *flags, config=config)[3:]
+    return start_script(TRAIN_SCRIPT, args, output.with_name(f"{output.name}.log"), env)
+
+
+def train_on_store(data_dir: Path, output: Path, nproc: int, root: str, env: dict, *flags: str,
+                   config: dict = CHECKPOINTED) -> str:
+    """``start_on_store`` until the run ends, which must be with exit code 0: what the run printed."""
+    log = output.with_name(f"{output.name}.log")
+    start = log.stat().st_size if log.is_file() else 0
+    code = wait_exit(start_on_store(data_dir, output, nproc, root, env, *flags, config=config), timeout=300)
+    printed = log.read_bytes()[start:].decode(errors="replace")
+    assert code == 0, printed[-6000:]
+    return printed
 
 
 def model_weights(root: Store | Path, step: int) -> dict[str, torch.Tensor]:
     return read_checkpoint(step_store(root, step))[0]
 
 
-def wait_for_step(process: subprocess.Popen, output: Path, step: int, deadline: float) -> None:
-    """Until rank 0 has logged ``step`` or a later one in ``output``/metrics.jsonl, read from the local disk:
-    the store is polled only from then on, not through the run's start-up (every poll is a request that the
-    server spends CPU time on)."""
+def wait_for_step(running: Callable[[], bool], output: Path, step: int, deadline: float) -> None:
+    """Until rank 0 has logged ``step`` or a later one in ``output``/metrics.jsonl, read from the local disk,
+    or the run has ended (``running()`` is false): the store is polled only from then on, not through the
+    run's start-up (every poll is a request that the server spends CPU time on)."""
     def logged() -> int:
         path = output / "metrics.jsonl"
         text = path.read_text() if path.is_file() else ""
         records = [json.loads(line) for line in text[:text.rfind("\n") + 1].splitlines()]  # not a torn line
         return max((record["step"] for record in records if record.get("kind") == "train"), default=0)
-    while logged() < step and process.poll() is None:
+    while logged() < step and running():
         assert time.monotonic() < deadline, f"the run logged no step {step}"
         time.sleep(0.05)
 
@@ -210,9 +228,11 @@ def test_a_run_killed_mid_upload_resumes_from_the_last_committed_step_and_names_
     # steps 4, 8, 12 and 16: the first commits, one of the next three is caught mid-upload.
     steps = 16
     config = {**TINY, "model": {"name": "mlp", "width": 2048}, "checkpoint": {"every": 4, "mode": "dcp"}}
+    flags = ("--max-steps", str(steps), "--parallelism", "fsdp")
+    # A fresh interpreter, not a forked one: fsspec reads FSSPEC_S3 when it is imported, which the tests'
+    # preloaded server has done long before.
+    command = train_cmd(data_dir, tmp_path / "run", 2, "--checkpoint-dir", uri, *flags, config=config)
     env = {**os.environ, "OMP_NUM_THREADS": "1", **s3.aws_env, "FSSPEC_S3": '{"default_block_size": 5242880}'}
-    command = train_cmd(data_dir, tmp_path / "run", 2, "--checkpoint-dir", uri, "--max-steps", str(steps),
-                        "--parallelism", "fsdp", config=config)
     client = s3.client()
 
     def uploading() -> list[str]:
@@ -222,7 +242,7 @@ def test_a_run_killed_mid_upload_resumes_from_the_last_committed_step_and_names_
     process = subprocess.Popen(command, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
         deadline = time.monotonic() + 240
-        wait_for_step(process, tmp_path / "run", 2, deadline)
+        wait_for_step(lambda: process.poll() is None, tmp_path / "run", 2, deadline)
         while not (complete_steps(root) and uploading()) and process.poll() is None:
             assert time.monotonic() < deadline, "no upload was caught in flight"
             time.sleep(0.02)
@@ -234,10 +254,9 @@ def test_a_run_killed_mid_upload_resumes_from_the_last_committed_step_and_names_
     torn = int(in_flight[0].split("/")[-2].removeprefix("step-"))
     committed = complete_steps(root)
     assert committed and torn not in committed and committed[-1] < torn, (committed, in_flight)
-    # The next attempt: never the torn step, which it names; the previous committed one instead.
-    done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=300)
-    assert done.returncode == 0, done.stderr[-3000:]
-    log = done.stdout + done.stderr
+    # The next attempt (forked: its own uploads need not be in parts): never the torn step, which it names;
+    # the previous committed one instead.
+    log = train_on_store(data_dir, tmp_path / "run", 2, uri, s3.aws_env, *flags, config=config)
     assert f"resumed from step {committed[-1]} in {uri}" in log, log[-3000:]
     assert f"skipping {uri}/step-{torn:06d}: its save never committed" in log, log[-3000:]
     assert complete_steps(root)[-1] == steps and uploading() == []  # the torn upload is aborted, not billed
@@ -255,24 +274,19 @@ def test_a_signal_commits_the_agreed_step_in_the_store_within_the_grace_or_names
     root = Store(uri, s3.storage_options)
     config = {**TINY, "model": {"name": "mlp", "width": 2048},
               "checkpoint": {"every": 4, "mode": "dcp", "preemption_grace_s": grace_s}}
-    command = [sys.executable, "-m", "traincore.train", "--data", str(data_dir), "--output",
-               str(tmp_path / "run"), "--preset", "debug", "--config", json.dumps(config), "--max-steps",
-               "400", "--nproc-per-node", "2", "--parallelism", "fsdp", "--checkpoint-dir", uri]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", **s3.aws_env}
-    with open(tmp_path / "log", "wb") as log:
-        process = subprocess.Popen(command, env=env, stdout=log, stderr=subprocess.STDOUT,
-                                   start_new_session=True)
+    process = start_on_store(data_dir, tmp_path / "run", 2, uri, s3.aws_env, "--max-steps", "400",
+                             "--parallelism", "fsdp", config=config)
     try:
         deadline = time.monotonic() + 240
-        wait_for_step(process, tmp_path / "run", 2, deadline)
-        while not complete_steps(root) and process.poll() is None:
+        wait_for_step(lambda: process.exitcode is None, tmp_path / "run", 2, deadline)
+        while not complete_steps(root) and process.exitcode is None:
             assert time.monotonic() < deadline, "no checkpoint was committed"
             time.sleep(0.05)
-        process.send_signal(signal.SIGTERM)
-        assert process.wait(timeout=60) == PREEMPTED_EXIT_CODE
+        os.kill(process.pid, signal.SIGTERM)
+        assert wait_exit(process, timeout=60) == PREEMPTED_EXIT_CODE
     finally:
         kill_tree(process.pid)
-    text = (tmp_path / "log").read_text(errors="replace")
+    text = (tmp_path / "run.log").read_text(errors="replace")
     latest = complete_steps(root)[-1]
     if grace_s == 20.0:
         assert f"preempted at step {latest} by SIGTERM: checkpoint step-{latest} saved in {uri}" in text, (
