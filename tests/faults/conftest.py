@@ -6,12 +6,11 @@ from __future__ import annotations
 import fcntl
 import os
 import shutil
-import sys
 from collections.abc import Callable
 from pathlib import Path
 
 import pytest
-from faultlib import run, train_args
+from faultlib import train_args, train_forked
 
 REFERENCE_EVERY = 10  # the reference runs' checkpoint interval: a run's weights do not depend on it
 
@@ -33,8 +32,9 @@ def damaged_copy(fault_data: Path, tmp_path: Path) -> Path:
 def uninterrupted_run(fault_data: Path, tmp_path_factory: pytest.TempPathFactory) -> Callable[[int], Path]:
     """``uninterrupted_run(steps)``: the checkpoint root of an uninterrupted two-worker run of faultlib's TINY
     config on ``fault_data`` for ``steps`` steps (a checkpoint every REFERENCE_EVERY steps and at the last),
-    its workers forked by the train CLI: seconds cheaper than torchrun's fresh interpreters, the same ranks
-    and bitwise the same weights. Only read it.
+    its workers forked by the train CLI, which itself forks from the tests' preloaded server (faultlib's
+    ``train_forked``): seconds cheaper than torchrun's fresh interpreters, the same ranks and bitwise the same
+    weights. Only read it.
 
     Each run happens once per test run, for every file that compares with it (test_preempted_runs.py and
     test_restarts.py train the same steps), also when pytest-xdist gives those files to different workers:
@@ -58,5 +58,4 @@ def uninterrupted_run(fault_data: Path, tmp_path_factory: pytest.TempPathFactory
 def train_uninterrupted(data: Path, output: Path, steps: int) -> None:
     """Train TINY on ``data`` for ``steps`` steps on the CLI's two forked workers, into ``output``."""
     args = train_args(data, output, "--max-steps", str(steps), "--checkpoint-every", str(REFERENCE_EVERY))
-    done = run([sys.executable, "-m", "traincore.train", "--nproc-per-node", "2", *args], timeout=300)
-    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-4000:]
+    train_forked(["--nproc-per-node", "2", *args], output.with_name(f"{output.name}.log"))

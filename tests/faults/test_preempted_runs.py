@@ -18,7 +18,19 @@ from pathlib import Path
 
 import pytest
 import torch
-from faultlib import TINY, child_env, descendants, metric_rows, run, torchrun, train_args, wait_for
+from faultlib import (
+    TINY,
+    child_env,
+    descendants,
+    metric_rows,
+    run,
+    start_train,
+    torchrun,
+    train_args,
+    train_forked,
+    wait_for,
+)
+from ranks import wait_exit
 
 from traincore.artifacts.export import export
 from traincore.checkpoint import complete_steps, parse_step_name, step_dir, verify_checkpoint
@@ -128,19 +140,18 @@ def test_a_save_that_outlasts_the_grace_is_abandoned_the_records_are_kept_and_th
               "telemetry": {**TINY["telemetry"], "tensorboard": True, "records_every_s": 0}}
     output, root = tmp_path / "run", tmp_path / "root"
 
-    def cli(steps: int) -> list[str]:
-        return [sys.executable, "-m", "traincore.train", *train_args(
-            fault_data, output, "--max-steps", str(steps), "--checkpoint-every", "20", "--checkpoint-dir",
-            str(root), "--nproc-per-node", "2", config=config)]
+    def cli(steps: int) -> list[str]:  # the train CLI's arguments; its runs fork from the preloaded server
+        return [*train_args(fault_data, output, "--max-steps", str(steps), "--checkpoint-every", "20",
+                            "--checkpoint-dir", str(root), "--nproc-per-node", "2", config=config)]
 
-    process = start(cli(4000), tmp_path / "log")
+    process = start_train(cli(4000), tmp_path / "log")
     # Past the first checkpoint (a step's row is logged after the previous step's save returned), so the
     # signal lands in a step or in a save, and 50 ms later the workers are gone wherever they were.
-    wait_for(lambda: any(row["step"] > 20 for row in metric_rows(output)) or process.poll() is not None,
+    wait_for(lambda: any(row["step"] > 20 for row in metric_rows(output)) or process.exitcode is not None,
              120, "a step after the first checkpoint")
     logged = metric_rows(output)
-    process.send_signal(signal.SIGTERM)
-    assert process.wait(timeout=30) == PREEMPTED_EXIT_CODE
+    os.kill(process.pid, signal.SIGTERM)
+    assert wait_exit(process, timeout=30) == PREEMPTED_EXIT_CODE
     log = (tmp_path / "log").read_text()
     assert log.count("did not finish within checkpoint.preemption_grace_s=0.05") == 1, log[-3000:]
     assert not (root / RECORD_FILE).exists()
@@ -161,9 +172,8 @@ def test_a_save_that_outlasts_the_grace_is_abandoned_the_records_are_kept_and_th
     copied = (records / "tensorboard" / events.name).read_bytes()
     assert copied and events.read_bytes().startswith(copied)
 
-    resumed = run(cli(complete[-1] + 2))
-    assert resumed.returncode == 0, resumed.stderr[-3000:]
-    assert f"resumed from step {complete[-1]}" in resumed.stdout + resumed.stderr
+    resumed = train_forked(cli(complete[-1] + 2), tmp_path / "resumed.log")
+    assert f"resumed from step {complete[-1]}" in resumed
 
 
 def test_ctrl_c_on_a_local_pyflyte_run_saves_the_step_and_prints_a_few_lines(tmp_path):
