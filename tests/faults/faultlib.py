@@ -21,6 +21,7 @@ from ranks import start_script, wait_exit
 import traincore
 
 TRAIN_SCRIPT = Path(traincore.__file__).parent / "train.py"  # what `python -m traincore.train` runs
+
 # Tiny, fast and deterministic: a CNN of width 8 on 12x12 synthetic images, logging every step.
 TINY = {"model": {"name": "small_cnn", "width": 8}, "optim": {"lr": 3e-3, "warmup_steps": 2},
         "loader": {"batch_size": 8}, "telemetry": {"log_every": 1, "tensorboard": False}}
