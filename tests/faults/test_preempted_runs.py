@@ -35,7 +35,8 @@ from ranks import wait_exit
 from traincore.artifacts.export import export
 from traincore.checkpoint import complete_steps, parse_step_name, step_dir, verify_checkpoint
 from traincore.checkpoint.layout import is_torn
-from traincore.run.preemption import PREEMPTED_EXIT_CODE, RECORD_FILE
+from traincore.exitcodes import PREEMPTED_EXIT_CODE
+from traincore.run.preemption import RECORD_FILE
 
 STEPS, EVERY = 100, 50
 DEFAULT_GRACE_S = 20.0

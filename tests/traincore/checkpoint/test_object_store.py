@@ -35,7 +35,8 @@ from traincore.checkpoint import (
 )
 from traincore.checkpoint.format import read_checkpoint
 from traincore.config.schema import CHECKPOINT_MODES, CheckpointConfig
-from traincore.run.preemption import PREEMPTED_EXIT_CODE, read_record
+from traincore.exitcodes import PREEMPTED_EXIT_CODE
+from traincore.run.preemption import read_record
 from traincore.run.preflight import OutputError, ensure_writable_store
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
