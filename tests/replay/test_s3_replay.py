@@ -145,6 +145,20 @@ def two_pods(fast_package, s3_server, tmp_path_factory) -> SimpleNamespace:
                            final=weights(bucket_store(s3, pristine), MAX_STEPS))
 
 
+def test_the_fast_registration_ships_the_code_the_pods_run(fast_package):
+    """The package `make register` writes (built once per session) holds the workflow's serialised entities
+    and one code tarball with the tasks and the example team package the 2-pod run trains. Its own test:
+    the module's 2-pod run is the cost of the test that first asks for it, and the build is not part of it."""
+    import tarfile
+
+    with tarfile.open(fast_package) as package:
+        (code,) = [member for member in package.getmembers() if member.name.endswith(".tar.gz")]
+        assert any(name.endswith("workflows.pipeline.training_pipeline_2.pb") for name in package.getnames())
+        with tarfile.open(fileobj=package.extractfile(code)) as tarball:
+            files = set(tarball.getnames())
+    assert {"tasks/train.py", "examples/teamnet/models.py"} <= files, sorted(files)[:20]
+
+
 def test_two_pods_checkpoint_into_s3_every_rank_its_own_shards(two_pods):
     s3, summary = two_pods.s3, two_pods.summary
     train = summary["node_outputs"][TRAIN_NODE]["o0"]
