@@ -20,8 +20,11 @@ from collections.abc import Callable
 from multiprocessing.context import ForkServerContext
 from pathlib import Path
 
+import traincore
+
 # What the children import. DDP imports torch._dynamo (3 s of CPU), DCP takes 1.5 s, torch 3 s. The server
 # skips a module it cannot import (faultlib where tests/faults/ is not on sys.path).
+TRAIN_SCRIPT = Path(traincore.__file__).parent / "train.py"  # what `python -m traincore.train` runs
 PRELOAD = ["torch", "torch._dynamo", "torch.distributed", "torch.distributed.checkpoint", "numpy", "pytest",
            "traincore.checkpoint.checkpointer", "traincore.run.state", "traincore.run.dist",
            "traincore.model.build", "traincore.data.loader", "traincore.telemetry.reporting",
@@ -65,6 +68,23 @@ def start_script(script: Path, args: list, log: Path, env: dict[str, str] | None
                                          {**os.environ, **(env or {})}, str(log)))
     process.start()
     return process
+
+
+def start_train(args: list, log: Path, env: dict[str, str] | None = None) -> multiprocessing.Process:
+    """``python -m traincore.train args`` as a forked child (``start_script``): a process of its own that
+    forks its workers, without the seconds of imports a fresh interpreter spends. For runs whose own start-up
+    no test checks."""
+    return start_script(TRAIN_SCRIPT, args, log, env)
+
+
+def train_forked(args: list, log: Path, timeout: float = 300) -> str:
+    """``start_train`` until the run ends, which must be with exit code 0: what it printed (stdout and
+    stderr together)."""
+    start = log.stat().st_size if log.is_file() else 0
+    code = wait_exit(start_train(args, log), timeout)
+    printed = log.read_bytes()[start:].decode(errors="replace")
+    assert code == 0, printed[-6000:]
+    return printed
 
 
 def wait_exit(process: multiprocessing.Process, timeout: float) -> int:

@@ -10,7 +10,8 @@ from collections.abc import Callable
 from pathlib import Path
 
 import pytest
-from faultlib import train_args, train_forked
+from faultlib import train_args
+from ranks import train_forked
 
 REFERENCE_EVERY = 10  # the reference runs' checkpoint interval: a run's weights do not depend on it
 

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import contextlib
 import json
-import multiprocessing
 import os
 import random
 import re
@@ -16,11 +15,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from ranks import start_script, wait_exit
-
-import traincore
-
-TRAIN_SCRIPT = Path(traincore.__file__).parent / "train.py"  # what `python -m traincore.train` runs
+from ranks import start_script
 
 # Tiny, fast and deterministic: a CNN of width 8 on 12x12 synthetic images, logging every step.
 TINY = {"model": {"name": "small_cnn", "width": 8}, "optim": {"lr": 3e-3, "warmup_steps": 2},
@@ -47,23 +42,6 @@ def train_args(data: Path, output: Path, *extra: str, config: dict | None = None
 def run(cmd: list[str], timeout: float = 300, **kwargs) -> subprocess.CompletedProcess:
     """Run ``cmd`` to completion with captured text output."""
     return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=child_env(), **kwargs)
-
-
-def start_train(args: list[str], log: Path) -> multiprocessing.Process:
-    """``python -m traincore.train args`` as a child forked from the tests' preloaded server (tests/ranks.py):
-    a process of its own that forks its workers, without the seconds of imports a fresh interpreter spends
-    (one thread per process, line-buffered output appended to ``log``). For runs whose own start-up no test
-    checks."""
-    return start_script(TRAIN_SCRIPT, args, log)
-
-
-def train_forked(args: list[str], log: Path, timeout: float = 300) -> str:
-    """``start_train`` until the run ends, which must be with exit code 0: what it printed."""
-    start = log.stat().st_size if log.is_file() else 0
-    code = wait_exit(start_train(args, log), timeout)
-    printed = log.read_bytes()[start:].decode(errors="replace")
-    assert code == 0, printed[-6000:]
-    return printed
 
 
 def descendants(pid: int) -> list[int]:

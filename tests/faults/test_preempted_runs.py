@@ -24,13 +24,11 @@ from faultlib import (
     descendants,
     metric_rows,
     run,
-    start_train,
     torchrun,
     train_args,
-    train_forked,
     wait_for,
 )
-from ranks import wait_exit
+from ranks import start_train, train_forked, wait_exit
 
 from traincore.artifacts.export import export
 from traincore.checkpoint import complete_steps, parse_step_name, step_dir, verify_checkpoint

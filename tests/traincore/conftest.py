@@ -6,12 +6,8 @@ from collections.abc import Callable
 from pathlib import Path
 
 import pytest
-from ranks import start_script, wait_exit
+from ranks import train_forked
 from trainruns import CHECKPOINTED, train_cmd
-
-import traincore
-
-TRAIN_SCRIPT = Path(traincore.__file__).parent / "train.py"  # what `python -m traincore.train` runs
 
 
 @pytest.fixture(scope="session")
@@ -28,13 +24,8 @@ def forked_train() -> Callable[..., str]:
     a 10-step run's ~13 on 2 cores). Fails unless it exits 0; returns what it printed (stdout and stderr
     together). For runs whose own start-up, or which stream a line goes to, no test checks."""
     def run(data: Path, output: Path, nproc: int, *flags: str, config: dict | None = None) -> str:
-        log = output.with_name(f"{output.name}.log")  # appended to by each run into ``output``
-        start = log.stat().st_size if log.is_file() else 0
         args = train_cmd(data, output, nproc, *flags, config=config)[3:]  # without python -m traincore.train
-        code = wait_exit(start_script(TRAIN_SCRIPT, args, log), timeout=300)
-        printed = log.read_bytes()[start:].decode(errors="replace")
-        assert code == 0, printed[-6000:]
-        return printed
+        return train_forked(args, output.with_name(f"{output.name}.log"))  # appended to by each run
     return run
 
 

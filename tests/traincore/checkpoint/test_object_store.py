@@ -18,11 +18,10 @@ from pathlib import Path
 
 import pytest
 import torch
-from ranks import start_script, wait_exit
+from ranks import start_train, wait_exit
 from test_checkpoint import assert_same, load, make_state, save_steps, snapshot, train  # noqa: I001  (beside this file)
 from trainruns import CHECKPOINTED, TINY, kill_tree, train_cmd
 
-import traincore
 from traincore.checkpoint import (
     MARKER,
     Checkpointer,
@@ -40,7 +39,6 @@ from traincore.run.preemption import read_record
 from traincore.run.preflight import OutputError, ensure_writable_store
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
-TRAIN_SCRIPT = Path(traincore.__file__).parent / "train.py"  # what `python -m traincore.train` runs
 
 
 def fresh_root(s3, name: str) -> Store:
@@ -160,7 +158,7 @@ def start_on_store(data_dir: Path, output: Path, nproc: int, root: str, env: dic
     added to its environment, what it prints appended to ``output``.log. None of these tests is about the
     CLI's start-up."""
     args = train_cmd(data_dir, output, nproc, "--checkpoint-dir", root, *flags, config=config)[3:]
-    return start_script(TRAIN_SCRIPT, args, output.with_name(f"{output.name}.log"), env)
+    return start_train(args, output.with_name(f"{output.name}.log"), env)
 
 
 def train_on_store(data_dir: Path, output: Path, nproc: int, root: str, env: dict, *flags: str,
