@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+import os
 import sys
 import time
 from pathlib import Path
@@ -59,6 +61,19 @@ def test_pods_get_their_own_home_tmp_and_cwd_outside_the_source_tree(tmp_path):
     pod = tmp_path / "pods" / "env"
     assert (cwd, home, tmp) == (str(pod / "work"), str(pod / "home"), str(pod / "tmp"))
     assert (pythonpath, x) == ("None", "1")  # nothing of the harness's environment, the container's env
+
+
+def test_the_pods_of_a_job_run_on_their_own_cores_and_a_pod_alone_on_all(tmp_path):
+    code = "import os; print(*sorted(os.sched_getaffinity(0)))"
+    cores = sorted(os.sched_getaffinity(0))
+    specs = [PodSpec(f"worker-{i}", [sys.executable, "-c", code]) for i in range(2)]
+    together = [sorted(map(int, r.log.read_text().split())) for r in run_pods(specs, tmp_path, BIN, 60)]
+    if len(cores) >= 2:
+        assert not set(together[0]) & set(together[1]) and sorted(together[0] + together[1]) == cores
+    for pod, seen in zip(specs, together, strict=True):
+        assert json.loads((tmp_path / "pods" / pod.name / "pod.json").read_text())["cpus"] == seen
+    (alone,) = run_pods([PodSpec("alone", [sys.executable, "-c", code])], tmp_path, BIN, 60)
+    assert sorted(map(int, alone.log.read_text().split())) == cores
 
 
 def _pytorch_template(replicas: int, nproc: int) -> tasks_pb2.TaskTemplate:

@@ -43,7 +43,7 @@ from traincore.checkpoint.prune import remove_step
 
 pytestmark = pytest.mark.slow
 
-MAX_STEPS, EVERY = 60, 20
+MAX_STEPS, EVERY = 40, 20
 TRAIN_NODE = "n2-0-dn0"  # the train task inside the @dynamic train_on_backend node
 # The example team package's model (examples/teamnet), which fast registration ships with the code.
 MODEL = {"name": "examples.teamnet.models:resnet_tiny", "kwargs": {"width": 16, "depth": 1}}
