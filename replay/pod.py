@@ -113,9 +113,9 @@ class RunningPod:
         (self.dir / "pod.json").write_text(json.dumps(started, indent=1))
         self.log = self.dir / "log.txt"
         self.started = time.monotonic()
-        pin = (lambda: os.sched_setaffinity(0, cpus)) if cpus else None
         self.proc = subprocess.Popen(args, cwd=self.dir / "work", env=env, stdout=subprocess.PIPE,
-                                     stderr=subprocess.STDOUT, start_new_session=True, preexec_fn=pin)
+                                     stderr=subprocess.STDOUT, start_new_session=True,
+                                     preexec_fn=pinned_to(cpus))
         self._tee = threading.Thread(target=self._copy_output, args=(echo,), daemon=True)
         self._tee.start()
 
@@ -175,6 +175,13 @@ def cpu_shares(pods: int) -> list[set[int] | None]:
         return [None] * pods
     cores = sorted(os.sched_getaffinity(0))
     return [set(cores[i::pods]) or {cores[i % len(cores)]} for i in range(pods)]
+
+
+def pinned_to(cpus: set[int] | list[int] | None):
+    """For Popen's ``preexec_fn``: the started process runs on ``cpus`` (None: on every core)."""
+    if not cpus:
+        return None
+    return lambda: os.sched_setaffinity(0, cpus)
 
 
 def run_pods(specs: list[PodSpec], workdir: Path, python_bin: Path, timeout_s: float,

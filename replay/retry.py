@@ -27,7 +27,7 @@ from replay import literals
 from replay.cli import DEFAULT_PLAN
 from replay.graph import NodeFailed, Replay
 from replay.package import read_package
-from replay.pod import platform_env
+from replay.pod import pinned_to, platform_env
 from replay.store import FUTURES, Execution, Store
 
 
@@ -105,15 +105,17 @@ def main(argv: list[str] | None = None) -> int:
 
 def start_pod(pod_dir: Path, log_name: str = "log.txt",
               env: dict[str, str] | None = None) -> subprocess.Popen:
-    """A new process for the pod in ``pod_dir`` from its pod.json (args, env and cwd as first started, the
-    platform's store settings from this environment, plus ``env``), in its own session (so its process
-    group is the pod); output appended to ``log_name``."""
+    """A new process for the pod in ``pod_dir`` from its pod.json (args, env, cwd and cores as first
+    started, the platform's store settings from this environment, plus ``env``), in its own session (so its
+    process group is the pod); output appended to ``log_name``. The same cores: a pod at another thread
+    count would round differently, and a restarted job would no longer end bitwise as the first did."""
     started = json.loads((pod_dir / "pod.json").read_text())
     platform = {k: v for k, v in platform_env().items() if k in started.get("platform_env", ())}
     with (pod_dir / log_name).open("ab") as log:
         return subprocess.Popen(started["args"], cwd=started["cwd"],
                                 env={**platform, **started["env"], **(env or {})},
-                                stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+                                stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+                                preexec_fn=pinned_to(started.get("cpus")))
 
 
 def kill_pod(process: subprocess.Popen) -> int:

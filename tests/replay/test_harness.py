@@ -17,6 +17,7 @@ from google.protobuf.struct_pb2 import Struct
 from replay.graph import NodeFailed, check_world, dependency_order, rank0_writer
 from replay.package import REMOTE_PACKAGE_PATH
 from replay.pod import PodResult, PodSpec, render_args, run_pods
+from replay.retry import start_pod
 from replay.store import Execution, Store
 
 EXECUTION = Execution("p", "d", "fexec", "wf", "v1")
@@ -72,6 +73,9 @@ def test_the_pods_of_a_job_run_on_their_own_cores_and_a_pod_alone_on_all(tmp_pat
         assert not set(together[0]) & set(together[1]) and sorted(together[0] + together[1]) == cores
     for pod, seen in zip(specs, together, strict=True):
         assert json.loads((tmp_path / "pods" / pod.name / "pod.json").read_text())["cpus"] == seen
+    # A pod restarted from its pod.json (as the operator recreates it) runs on the same cores.
+    assert start_pod(tmp_path / "pods" / "worker-1", "again.txt").wait() == 0
+    assert sorted(map(int, (tmp_path / "pods" / "worker-1" / "again.txt").read_text().split())) == together[1]
     (alone,) = run_pods([PodSpec("alone", [sys.executable, "-c", code])], tmp_path, BIN, 60)
     assert sorted(map(int, alone.log.read_text().split())) == cores
 
