@@ -23,7 +23,7 @@ from tasks.errors import UserFacingError
 from tasks.slurm.ssh import SlurmTarget
 from tasks.storage import is_uri, local_path, source_storage_options
 from tasks.types import SlurmSettings, Topology
-from traincore.config import Config, ConfigError, DataConfig, build_config, parse_source
+from traincore.config import PRESETS, Config, ConfigError, DataConfig, build_config, parse_source
 from traincore.data import StagingError, source_fingerprint
 from traincore.run import OutputError, check_model_input, ensure_writable_dir
 
@@ -57,33 +57,47 @@ def launch_config(preset_name: str, config_overrides: str, source: str, epochs: 
         raise LaunchInputError(str(exc)) from exc
 
 
-def check_protocol(location: str, input_name: str) -> None:
-    """A URI's scheme must name a filesystem fsspec knows and can load; nothing is contacted."""
+def check_protocol(location: str, label: str) -> None:
+    """A URI's scheme must name a filesystem fsspec knows and can load; nothing is contacted. ``label``
+    names the value in the error, e.g. "input checkpoint_uri='...'"."""
     protocol = location.split("://", 1)[0]
     try:
         fsspec.get_filesystem_class(protocol)
     except ValueError as exc:
-        raise LaunchInputError(f"input {input_name}: {location!r} has the unknown scheme {protocol}://: use "
+        raise LaunchInputError(f"{label}: {location!r} has the unknown scheme {protocol}://: use "
                                "a local path or an object-store URI such as s3://bucket/path or "
                                "gs://bucket/path") from exc
     except ImportError as exc:
-        raise LaunchInputError(f"input {input_name}: {location!r} needs a filesystem package that is not "
+        raise LaunchInputError(f"{label}: {location!r} needs a filesystem package that is not "
                                f"installed ({exc}): install it in the image, or use s3:// or gs://") from exc
 
 
-def check_source(source: str) -> None:
+def source_origin(source: str, preset_name: str, cfg: Config) -> str:
+    """Where the run's source came from: the workflow's ``source`` input when given (it replaces the
+    preset's), else config_overrides when they changed it, else the preset."""
+    if source:
+        return "input source"
+    if cfg.data.source != PRESETS[preset_name]().data.source:
+        return "config_overrides' data.source"
+    return f"preset {preset_name}'s source"
+
+
+def check_source(source: str, origin: str = "input source") -> None:
     """A local imagefolder path must exist; of a URI, only the scheme is checked here (no network yet):
-    fingerprint_source, run last, lists it."""
+    fingerprint_source, run last, lists it. ``origin`` (:func:`source_origin`) is named in the error."""
     kind, location = parse_source(source)
     if kind != "imagefolder":
         return
     if is_uri(location):
-        check_protocol(location, f"source={source!r}")
+        check_protocol(location, f"{origin}={source!r}")
         return
     path = local_path(location)
     if not path.is_dir():
-        raise LaunchInputError(f"input source={source!r}: the dataset path {path} does not exist or is not a "
-                               "directory; point it at <root>/<class>/<image> files or use a URI (s3://, gs://)")
+        fix = ("give the source input (--source imagefolder:<your folder or URI>, or another source)"
+               if origin.startswith("preset") else
+               "point it at <root>/<class>/<image> files or use a URI (s3://, gs://)")
+        raise LaunchInputError(f"{origin}={source!r}: the dataset path {path} does not exist or is not a "
+                               f"directory; {fix}")
 
 
 def check_capacity(capacity: str, backend: str) -> None:
@@ -174,7 +188,7 @@ def check_checkpoint_uri(checkpoint_uri: str, local_run: bool) -> None:
     if not checkpoint_uri:
         return
     if is_uri(checkpoint_uri):
-        check_protocol(checkpoint_uri, f"checkpoint_uri={checkpoint_uri!r}")
+        check_protocol(checkpoint_uri, f"input checkpoint_uri={checkpoint_uri!r}")
         return
     if not local_run:
         return
@@ -243,7 +257,8 @@ def plan_run(source: str, preset: str, config_overrides: str, epochs: int, max_s
     slurm = SlurmSettings(target=slurm_target, partition=slurm_partition, account=slurm_account,
                           time_limit=slurm_time_limit, sbatch_flags=slurm_sbatch_flags, setup=slurm_setup)
     cfg = launch_config(preset, config_overrides, source, epochs, max_steps, parallelism)
-    check_source(cfg.data.source)
+    origin = source_origin(source, preset, cfg)
+    check_source(cfg.data.source, origin)
     topology = Topology(backend=backend, nnodes=nnodes, nproc_per_node=nproc_per_node,
                         gpus_per_node=gpus_per_node, accelerator=accelerator, max_restarts=max_restarts,
                         rdzv_timeout_s=cfg.dist.init_timeout_s, slurm=slurm, store_secret=store_secret)
@@ -257,7 +272,8 @@ def plan_run(source: str, preset: str, config_overrides: str, epochs: int, max_s
     topology = check_slurm(topology, local_run)
     fingerprint = fingerprint_source(cfg.data)  # last: a large remote folder takes longest
     length = f"{cfg.train.max_steps} steps" if cfg.train.max_steps else f"{cfg.train.epochs} epochs"
-    print(f"plan: preset {preset}, source {cfg.data.source} ({fingerprint}), model {cfg.model.name}, "
+    print(f"plan: preset {preset}, source {cfg.data.source} ({origin}; {fingerprint}), "
+          f"model {cfg.model.name}, "
           f"{length}; {nnodes} node(s) x {nproc_per_node} process(es) on {backend}, "
           f"{cfg.dist.parallelism}", flush=True)
     return RunPlan(config=cfg, data=cfg.data, topology=topology, source_fingerprint=fingerprint)

@@ -101,7 +101,7 @@ def filesystem(location: str) -> fsspec.AbstractFileSystem:
 def check_promoted_uri(promoted_uri: str, local_run: bool) -> None:
     """An object-store prefix must have a known scheme; a local path is durable only in a local run."""
     if is_uri(promoted_uri):
-        check_protocol(promoted_uri, f"promoted_uri={promoted_uri!r}")
+        check_protocol(promoted_uri, f"input promoted_uri={promoted_uri!r}")
     elif not promoted_uri:
         raise LaunchInputError("input promoted_uri is empty: give the registry's directory or object-store "
                                "prefix, e.g. s3://bucket/models/digits")
@@ -119,7 +119,7 @@ def check_champion(champion: str | None, local_run: bool) -> None:
     if not champion:
         return
     if is_uri(champion):
-        check_protocol(champion, f"champion={champion!r}")
+        check_protocol(champion, f"input champion={champion!r}")
         return
     path = local_path(champion).expanduser()
     weights = path if path.name == WEIGHTS_FILE else path / WEIGHTS_FILE

@@ -730,13 +730,13 @@ def test_input_table_check_fails_both_ways():
 
 | input | default | meaning |
 |---|---|---|
-| `source` | `mnist` | wrong default |
+| `preset` | `mnist` | wrong default |
 | `epochs` / `max_steps` | `0` / `0` | two at once |
 | `no_such_input` | `""` | unknown |
 """
     [table] = text_tables("README.md", text)
     problems = input_table_problems(table)
-    assert "README.md:3: the default of source is digits, not mnist" in problems
+    assert "README.md:3: the default of preset is digits, not mnist" in problems
     assert any(p.startswith("README.md:3: training_pipeline has no input no_such_input") for p in problems)
     [omits] = [p for p in problems if "omits" in p]
     assert "nproc_per_node" in omits and "epochs" not in omits.split("omits", 1)[1]
@@ -746,10 +746,11 @@ def test_input_table_check_fails_both_ways():
 
 def test_plan_line_check_fails_on_the_old_shape():
     pattern = plan_line_pattern()
-    line = ("plan: preset debug, source digits (digits:sha256:0123), model small_cnn, 20 steps; "
+    line = ("plan: preset debug, source digits (input source; digits:sha256:0123), model small_cnn, 20 steps; "
             "1 node(s) x 1 process(es) on local")
     assert pattern.fullmatch(line + ", ddp")
     assert not pattern.fullmatch(line)
+    assert not pattern.fullmatch(line.replace("input source; ", "") + ", ddp")  # no word of its origin
 
 
 # --- what the pages say against deploy/, the presets, the benchmarks and the code ------------------------
@@ -1108,16 +1109,16 @@ def test_source_helps_name_every_source():
     assert not problems, "; ".join(problems)
 
 
-def test_the_workflow_replaces_a_presets_source_as_the_readme_says():
-    """README: the ``source`` input (default digits) replaces a preset's own source; ``--source ""`` keeps
-    it."""
+def test_the_workflow_keeps_a_presets_source_unless_given_one_as_the_readme_says():
+    """README: the ``source`` input defaults to "" (the preset's own source stands); given, it replaces it."""
     from tasks.plan import launch_config
 
-    assert '`--source ""`' in (ROOT / "README.md").read_text(encoding="utf-8")
-    default = workflow_defaults("training_pipeline")["source"]
+    assert "Without `--source`, a run trains on its preset's own source" in (ROOT / "README.md").read_text(
+        encoding="utf-8")
+    assert workflow_defaults("training_pipeline")["source"] == ""
     for name, build in presets().items():
-        assert launch_config(name, "", default, 0, 0).data.source == default
         assert launch_config(name, "", "", 0, 0).data.source == build().data.source
+        assert launch_config(name, "", "synthetic", 0, 0).data.source == "synthetic"
 
 
 def test_the_pages_show_what_these_checks_read():

@@ -43,7 +43,7 @@ class PipelineOutputs(NamedTuple):
 
 @workflow
 def training_pipeline(
-    source: str = "digits",
+    source: str = "",
     preset: str = "digits",
     config_overrides: str = "",
     epochs: int = 0,
@@ -70,7 +70,9 @@ def training_pipeline(
     Args:
         source: Dataset: 'digits' (bundled with scikit-learn), 'synthetic', 'imagefolder:<path-or-URI>' or
             'python:<module>:<callable>' (a factory of yours returning a map-style dataset of (image, label)
-            items). Replaces the preset's own source; '' keeps it.
+            items). Replaces the preset's own source when given; '' (the default) keeps the preset's
+            (digits for 'digits', synthetic for 'debug' and 'vit_tiny', a folder to point at for
+            'imagenet_like'). The plan line says which source the run used and where it came from.
         preset: Starting configuration: 'digits', 'debug', 'vit_tiny' (the small ViT) or 'imagenet_like'.
         config_overrides: JSON applied on top of the preset, e.g. '{"loader": {"batch_size": 64}}' or
             '{"model": {"name": "vit_tiny"}}' (models: small_cnn, mlp, resnet18, resnet34, resnet50,

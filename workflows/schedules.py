@@ -19,7 +19,7 @@ SCHEDULED_REGISTRY = "s3://my-s3-bucket/flyte-torch-pipeline/registry/digits"
 
 
 @workflow
-def retrain_and_promote(source: str = "digits", preset: str = "digits", config_overrides: str = "",
+def retrain_and_promote(source: str = "", preset: str = "digits", config_overrides: str = "",
                         threshold: float = 0.95, tolerance: float = 0.01,
                         champion: str | None = None,
                         promoted_uri: str = LOCAL_REGISTRY, nproc_per_node: int = 2) -> Promotion:
@@ -27,7 +27,8 @@ def retrain_and_promote(source: str = "digits", preset: str = "digits", config_o
     new one to the registry only if it is good enough and not worse than the one in service.
 
     Args:
-        source: Dataset to retrain on (see training_pipeline); the staging cache notices when it grows.
+        source: Dataset to retrain on (see training_pipeline; '' keeps the preset's); the staging cache
+            notices when it grows.
         preset: Starting configuration (see training_pipeline).
         config_overrides: JSON applied on top of the preset.
         threshold: Minimum test accuracy of the new model, in [0, 1].
@@ -50,13 +51,14 @@ def retrain_and_promote(source: str = "digits", preset: str = "digits", config_o
                           promoted_uri=promoted_uri, threshold=threshold, tolerance=tolerance)
 
 
-# Every Monday at 03:00 UTC on the bundled digits. The champion is the registry's latest, so nobody types a
-# figure; tolerance and the registry stay defaults an operator can change without a new launch plan.
+# Every Monday at 03:00 UTC, by default on the bundled digits (the preset's source). The champion is the
+# registry's latest, so nobody types a figure; the source, the tolerance and the registry stay defaults an
+# operator can change at launch without a new launch plan.
 scheduled_retraining = LaunchPlan.get_or_create(
     retrain_and_promote,
     name="scheduled_retraining",
     schedule=CronSchedule(schedule="0 3 * * 1"),
-    fixed_inputs={"source": "digits", "preset": "digits", "config_overrides": "", "threshold": 0.95},
-    default_inputs={"tolerance": 0.01, "champion": None, "promoted_uri": SCHEDULED_REGISTRY,
+    fixed_inputs={"preset": "digits", "config_overrides": "", "threshold": 0.95},
+    default_inputs={"source": "", "tolerance": 0.01, "champion": None, "promoted_uri": SCHEDULED_REGISTRY,
                     "nproc_per_node": 2},
 )

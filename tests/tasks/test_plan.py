@@ -49,6 +49,25 @@ def test_launch_config_names_the_bad_input(kwargs, names):
         launch_config(**args)
 
 
+def test_without_a_source_input_the_preset_s_own_source_stands_and_the_plan_says_so(capsys, monkeypatch,
+                                                                                      tmp_path):
+    debug = plan_run(**PLAN_DEFAULTS | dict(source="", preset="debug", max_steps=2, nproc_per_node=1))
+    assert debug.data.source == preset("debug").data.source == "synthetic"
+    assert "source synthetic (preset debug's source;" in capsys.readouterr().out
+    overridden = plan_run(**PLAN_DEFAULTS | dict(source="", config_overrides='{"data": {"source": "digits"}}',
+                                                 preset="debug", max_steps=2, nproc_per_node=1))
+    assert overridden.data.source == "digits"
+    assert "source digits (config_overrides' data.source;" in capsys.readouterr().out
+    plan_run(**PLAN_DEFAULTS | dict(source="synthetic", max_steps=2, nproc_per_node=1))
+    assert "source synthetic (input source;" in capsys.readouterr().out
+    # imagenet_like's own source is a folder this machine lacks: refused, naming the preset and the fix,
+    # never replaced by digits.
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(LaunchInputError, match=r"preset imagenet_like's source='imagefolder:./data/imagenet'"
+                       r": the dataset path .* does not exist .*give the source input \(--source"):
+        plan_run(**PLAN_DEFAULTS | dict(source="", preset="imagenet_like"))
+
+
 def test_missing_dataset_path_is_named(tmp_path):
     with pytest.raises(LaunchInputError, match=r"input source=.*does not exist"):
         check_source(f"imagefolder:{tmp_path / 'missing'}")

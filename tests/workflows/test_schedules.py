@@ -13,8 +13,11 @@ def test_launch_plan_carries_its_cron_schedule_and_a_value_for_every_input():
     assert scheduled_retraining.schedule.cron_schedule.schedule == "0 3 * * 1"
     fixed = {name: literal.scalar.primitive
              for name, literal in scheduled_retraining.fixed_inputs.literals.items()}
-    assert fixed["threshold"].float_value == 0.95 and fixed["source"].string_value == "digits"
+    assert fixed["threshold"].float_value == 0.95 and fixed["preset"].string_value == "digits"
     defaults = scheduled_retraining.parameters.parameters
+    # The source is a default, changed at launch (a team's own data) without a new launch plan; by default
+    # the preset's own (digits).
+    assert "source" not in fixed and defaults["source"].default.scalar.primitive.string_value == ""
     # A schedule launches with no one to type a value: every input is fixed or has a default.
     assert set(fixed) | set(defaults) == set(retrain_and_promote.python_interface.inputs)
     assert defaults["promoted_uri"].default.scalar.primitive.string_value == SCHEDULED_REGISTRY
