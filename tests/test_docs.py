@@ -746,8 +746,8 @@ def test_input_table_check_fails_both_ways():
 
 def test_plan_line_check_fails_on_the_old_shape():
     pattern = plan_line_pattern()
-    line = ("plan: preset debug, source digits (input source; digits:sha256:0123), model small_cnn, 20 steps; "
-            "1 node(s) x 1 process(es) on local")
+    line = ("plan: preset debug, source digits (input source; digits:sha256:0123), model small_cnn, "
+            "20 steps; 1 node(s) x 1 process(es) on local")
     assert pattern.fullmatch(line + ", ddp")
     assert not pattern.fullmatch(line)
     assert not pattern.fullmatch(line.replace("input source; ", "") + ", ddp")  # no word of its origin
