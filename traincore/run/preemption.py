@@ -165,6 +165,7 @@ class PreemptionWatch:
         self._kill_at: float | None = None
         self._previous: dict[int, object] = {}
         self._timer: threading.Timer | None = None
+        self._ending = threading.Lock()
         self._group = self._flags = self._work = None
         if main and (warning := grace_warning(grace_s)):
             log.warning(warning)
@@ -195,18 +196,22 @@ class PreemptionWatch:
         self._timer.daemon = False
         self._timer.start()
 
-    def _out_of_time(self) -> None:
-        """Copy the records, say (once, on the main rank) what a resume loads, and exit without unwinding.
+    def _out_of_time(self, failure: BaseException | None = None) -> None:
+        """Copy the records, say (once, on the main rank) what a resume loads, and exit without unwinding;
+        ``failure``: the error that ended the run first, within the grace.
 
         The exit commits, prunes and deletes nothing: a save still being written has no commit marker and is
         never loaded. One that commits while the records are copied is complete, and ``committed`` names it.
         """
+        if not self._ending.acquire(blocking=False):  # the timer and a failed run's unwinding both got here
+            threading.Event().wait()  # the first one ends the process
         self._copy_records()
         if self.main:
             stays = (self.committed() if self.committed
                      else "the last complete checkpoint stays the one a resume loads")
+            first = f" (the run failed first: {type(failure).__name__}: {failure})" if failure else ""
             print(f"preempted by {self.signal_name}: the step and its checkpoint did not finish within "
-                  f"checkpoint.preemption_grace_s={self.grace_s:g}; exiting: {stays}", flush=True,
+                  f"checkpoint.preemption_grace_s={self.grace_s:g}{first}; exiting: {stays}", flush=True,
                   file=sys.stderr)
         os._exit(PREEMPTED_EXIT_CODE)
 
@@ -251,6 +256,18 @@ class PreemptionWatch:
         if self._work is not None:
             self._work.wait()
             self._work = None
+
+    def __enter__(self) -> PreemptionWatch:
+        return self
+
+    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: object) -> None:
+        """A run that fails after a signal, before its grace runs out, ends as one whose grace ran out (exit
+        75, the records copied, the main rank saying what a resume loads): its peers' grace ran out first
+        and the collective it waited in lost them. Only a finished stop (:class:`Preempted`) unwinds."""
+        if exc is not None and not isinstance(exc, Preempted) and self._timer is not None:
+            self._timer.cancel()
+            self._out_of_time(exc)
+        self.close()
 
     def close(self) -> None:
         """Restore the signal handlers there were, stop the grace timer (whoever called close is unwinding on

@@ -13,6 +13,7 @@ from __future__ import annotations
 import gc
 import importlib
 import logging
+import sys
 from collections.abc import Iterator
 from contextlib import ExitStack, contextmanager
 from pathlib import Path
@@ -119,7 +120,7 @@ class Trainer:
         try:
             self._open(self.parts)
         except BaseException:
-            self.parts.close()
+            self.parts.__exit__(*sys.exc_info())
             raise
 
     def _open(self, stack: ExitStack) -> None:
@@ -133,9 +134,9 @@ class Trainer:
         self.ctx = ctx = stack.enter_context(distributed(cfg.dist))
         stack.enter_context(logging_setup(cfg.telemetry.level, ctx.rank))
         # Closed among the last: its grace timer bounds the checkpointer's and telemetry's closing too.
-        self.preemption = PreemptionWatch(cfg.checkpoint.preemption_grace_s, ctx.world_size,
-                                          committed=self._committed_checkpoint, main=ctx.is_main)
-        stack.callback(self.preemption.close)
+        self.preemption = stack.enter_context(PreemptionWatch(
+            cfg.checkpoint.preemption_grace_s, ctx.world_size, committed=self._committed_checkpoint,
+            main=ctx.is_main))
         self.startup.mark("process group")
         self.output.mkdir(parents=True, exist_ok=True)
         if ctx.is_main:
@@ -175,7 +176,9 @@ class Trainer:
         return self
 
     def __exit__(self, *exc_info) -> None:
-        self.close()
+        # The parts see the error the run ends on (a signalled run that fails ends as a preempted one).
+        self.closed = True
+        self.parts.__exit__(*exc_info)
 
     def close(self) -> None:
         """Close every part (profiler, checkpointer, telemetry, process group) and restore the settings."""

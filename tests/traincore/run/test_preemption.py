@@ -109,6 +109,40 @@ def test_a_grace_that_runs_out_copies_the_records_in_the_time_left_and_one_rank_
     assert 1.5 < took["other", "hang"] < 3, took
 
 
+# A run that fails after its signal, long before its grace (20 s) runs out: as a rank does whose collective
+# lost a peer that had exited on its own grace. argv[1]: the exception the run ends on.
+FAILS_IN_GRACE = """
+import sys, time
+from traincore.run.preemption import Preempted, PreemptionWatch
+
+error = {"RuntimeError": RuntimeError("Connection closed by peer"), "Preempted": Preempted(7, "SIGTERM", "c")}
+with PreemptionWatch(grace_s=20, committed=lambda: "step 5 stays the one a resume loads") as watch:
+    print("ready", flush=True)
+    while watch.signal_name is None:
+        time.sleep(0.01)
+    raise error[sys.argv[1]]
+"""
+
+
+@pytest.mark.parametrize("error", ["RuntimeError", "Preempted"])
+def test_a_run_that_fails_after_its_signal_ends_at_once_as_a_preempted_one(error):
+    process = subprocess.Popen([sys.executable, "-c", FAILS_IN_GRACE, error], text=True,
+                               env={**os.environ, "OMP_NUM_THREADS": "1"}, stdout=subprocess.PIPE,
+                               stderr=subprocess.PIPE)
+    assert process.stdout.readline() == "ready\n", process.stderr.read()
+    sent = time.monotonic()
+    process.send_signal(signal.SIGTERM)
+    code = process.wait(timeout=15)
+    stderr = process.stderr.read()
+    if error == "Preempted":  # a finished stop unwinds as it is: its own handler reports it
+        assert code == 1 and "Traceback" in stderr and "did not finish" not in stderr, stderr
+        return
+    assert code == PREEMPTED_EXIT_CODE and time.monotonic() - sent < 10, stderr
+    assert stderr == ("preempted by SIGTERM: the step and its checkpoint did not finish within "
+                      "checkpoint.preemption_grace_s=20 (the run failed first: RuntimeError: Connection "
+                      "closed by peer); exiting: step 5 stays the one a resume loads\n")
+
+
 def test_a_grace_the_launchers_sigkill_cuts_short_is_named_with_the_limit_and_the_fix(monkeypatch, caplog):
     assert grace_warning(20, {}) is None
     default = grace_warning(45, {})
