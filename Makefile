@@ -31,8 +31,8 @@ TEST_WORKERS ?= 2
 test: install-dev
 	$(BIN)/python -m pytest -n $(TEST_WORKERS)
 
-# Loader, checkpoint, sharded-state, per-step, start-up, preemption and end-to-end benchmarks (about 20 minutes on
-# 2 cores): writes bench/results/latest.json and latest.md (commit them); generated data and runs go to runs/bench.
+# Loader, checkpoint, sharded-state, per-step, start-up, preemption, validation and end-to-end benchmarks
+# (about 20 minutes on 2 cores): writes bench/results/latest.json and latest.md (commit them); generated data and runs go to runs/bench.
 bench: install
 	$(BIN)/python bench/run.py
 

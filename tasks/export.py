@@ -1,5 +1,5 @@
-"""Export the latest complete checkpoint to a single safetensors file (traincore.export proves it loads),
-with lineage.json beside it."""
+"""Export the best checkpoint (by the run's validation metric; the latest when none was validated) to a
+single safetensors file (traincore.export proves it loads), with lineage.json beside it."""
 
 from __future__ import annotations
 
@@ -23,15 +23,18 @@ def execution_id() -> str:
 
 @task(retries=2, requests=Resources(cpu="1", mem="4Gi"))
 def export_model(trained: TrainResult, dataset: StagedDataset) -> ModelArtifact:
-    """Latest complete checkpoint -> model.safetensors + config JSON + lineage.json, verified before
-    publishing; the lineage records the dataset, the run's metric summary and this execution."""
+    """Best checkpoint (train.metric; else the latest) -> model.safetensors + config JSON + lineage.json,
+    verified before publishing; the lineage records the dataset, the run's metric summary and this
+    execution."""
     output = Path(flytekit.current_context().working_directory) / "model"
     lineage = replace(dataset_lineage(dataset), execution_id=execution_id(),
                       metrics=metric_summary(trained.summary))
     # The checkpoint this workflow trained: its own config named the model's factory, if it has one.
-    result = export(local_directory(trained.checkpoints), output / WEIGHTS_FILE, lineage, trust_model=True)
+    result = export(local_directory(trained.checkpoints), output / WEIGHTS_FILE, lineage, trust_model=True,
+                    metric=trained.summary.metric)
     weights, config = Path(result.path), Path(result.config_path)
     print(f"export_model: {weights.name} ({result.num_bytes / 2**20:.2f} MiB, {result.num_parameters:,} "
           f"parameters, step {result.step}, sha256 {result.sha256[:12]}) + {config.name} + lineage.json "
-          f"(config {result.lineage.config_hash[:12]}, {result.lineage.code_version})", flush=True)
+          f"(config {result.lineage.config_hash[:12]}, {result.lineage.code_version}); step {result.step} is "
+          f"{result.selected}", flush=True)
     return ModelArtifact(directory=FlyteDirectory(str(output)), export=result)

@@ -45,10 +45,10 @@ def tiny_result(results: Path, name: str) -> dict:
     return bench
 
 
-def test_runner_writes_loader_and_end_to_end_tables(tmp_path):
+def test_runner_writes_loader_end_to_end_and_validation_tables(tmp_path):
     results = tmp_path / "results"
-    done = subprocess.run([sys.executable, "bench/run.py", "--only", "loader", "end_to_end", "--tiny",
-                           "--results", str(results), "--scratch", str(tmp_path / "scratch")],
+    done = subprocess.run([sys.executable, "bench/run.py", "--only", "loader", "end_to_end", "validation",
+                           "--tiny", "--results", str(results), "--scratch", str(tmp_path / "scratch")],
                           cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
     report = json.loads((results / "latest.json").read_text())
@@ -75,6 +75,12 @@ def test_runner_writes_loader_and_end_to_end_tables(tmp_path):
     table = (results / "latest.md").read_text()
     assert "### end_to_end" in table and "| vit_tiny | pyflyte |" in table
     assert "| vit_tiny naive/torchrun |" in table and ">= 3" in table
+    # 8 steps validated every 4 against at the end only: 2 validations and saves against 1.
+    validation = by_name["validation"]
+    assert "error" not in validation, validation
+    assert [(row["case"], row["validations"], row["kept_checkpoints"]) for row in validation["results"]] == [
+        ("end only", 1, 1), ("eval_every=4", 2, 2)]
+    assert validation["ratios"]["eval_every=4/end only"] > 0
 
 
 def test_a_missing_or_failing_benchmark_becomes_an_error_line(tmp_path):

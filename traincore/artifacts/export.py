@@ -35,13 +35,15 @@ from traincore.artifacts.guidance import WEIGHTS_FILE, directory_problem, inside
 from traincore.artifacts.lineage import LINEAGE_FILE, Lineage, LineageError, with_run
 from traincore.checkpoint import (
     MARKER,
+    SELECTIONS,
     CheckpointError,
-    latest_complete,
     read_checkpoint,
     read_marker,
+    select_step,
+    step_dir,
     verify_checkpoint,
 )
-from traincore.config import ModelConfig
+from traincore.config import VALIDATION_METRICS, ModelConfig
 from traincore.files import publish, sha256_file, write_atomically
 from traincore.model import ModelImportError, build_model, check_trusted, parameter_count
 
@@ -67,6 +69,7 @@ class ExportResult:
     num_parameters: int
     lineage: Lineage = field(default_factory=Lineage)  # as written to lineage.json beside the weights
     dtype: str = "float32"  # of the floating-point weights in the file
+    selected: str = ""  # why this step: "the best val_accuracy (0.9620) of the checkpoints that record it"
 
 
 def config_path_for(path: str | Path) -> Path:
@@ -74,8 +77,10 @@ def config_path_for(path: str | Path) -> Path:
     return Path(path).with_suffix(".json")
 
 
-def resolve_checkpoint(checkpoint: str | Path) -> Path:
-    """A step directory as given, or the latest complete one under a checkpoints root."""
+def resolve_checkpoint(checkpoint: str | Path, select: str = "best", metric: str = "val_accuracy"
+                       ) -> tuple[Path, str]:
+    """A step directory as given, or the one ``select`` names under a checkpoints root (``best``: by the
+    validation ``metric`` its marker records, else the latest; ``latest``); and why, in words."""
     path = Path(checkpoint)
     if path.is_file():
         raise CheckpointError(f"checkpoint {path} is a file: pass a step directory (step-000123) or the "
@@ -84,12 +89,9 @@ def resolve_checkpoint(checkpoint: str | Path) -> Path:
         raise CheckpointError(f"checkpoint {path} does not exist: pass a step directory (step-000123) or "
                               "the checkpoints root of a training run")
     if (path / MARKER).is_file():
-        return path
-    latest = latest_complete(path)
-    if latest is None:
-        raise CheckpointError(f"{path} holds no complete checkpoint (no step-* directory with a commit "
-                              "marker): pass the checkpoints root of a run that saved at least once")
-    return latest
+        return path, "the step directory given"
+    step, why = select_step(path, select, metric)
+    return step_dir(path, step), why
 
 
 def _check_output(output: str | Path, checkpoint_dir: Path) -> Path:
@@ -184,8 +186,13 @@ def lineage_path_for(path: str | Path) -> Path:
 
 
 def export(checkpoint: str | Path, output: str | Path, lineage: Lineage | None = None,
-           trust_model: bool | str = False, dtype: str = "float32") -> ExportResult:
+           trust_model: bool | str = False, dtype: str = "float32", select: str = "best",
+           metric: str = "val_accuracy") -> ExportResult:
     """Consolidate the model of ``checkpoint`` into ``output`` (safetensors), its lineage and JSON config.
+
+    ``checkpoint``: a step directory, or a checkpoints root, of which ``select`` takes the ``best`` step by
+    the validation ``metric`` its commit marker records (the latest when none records it) or the
+    ``latest`` (traincore.checkpoint.selection).
 
     ``dtype`` (:data:`EXPORT_DTYPES`): what the floating-point weights are stored as; integer tensors
     (BatchNorm's step counters) keep theirs. A model loaded from the file computes in float32 again.
@@ -200,7 +207,7 @@ def export(checkpoint: str | Path, output: str | Path, lineage: Lineage | None =
     """
     if dtype not in EXPORT_DTYPES:
         raise ExportError(f"dtype {dtype!r} (--dtype) is not one of {', '.join(EXPORT_DTYPES)}: choose one")
-    directory = resolve_checkpoint(checkpoint)
+    directory, selected = resolve_checkpoint(checkpoint, select, metric)
     output = _check_output(output, directory)
     verify_checkpoint(directory)
     weights, config, meta = _read(directory)
@@ -236,7 +243,7 @@ def export(checkpoint: str | Path, output: str | Path, lineage: Lineage | None =
     finally:
         tmp.unlink(missing_ok=True)
     return ExportResult(str(output), str(config_path), config["sha256"], num_bytes, config["step"],
-                        config["num_parameters"], lineage, dtype)
+                        config["num_parameters"], lineage, dtype, selected)
 
 
 _UNREADABLE = (OSError, RuntimeError, ValueError, KeyError, TypeError, AttributeError, EOFError,
@@ -381,15 +388,22 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--output", required=True, help="where to write model.safetensors")
     parser.add_argument("--dtype", default="float32", choices=list(EXPORT_DTYPES),
                         help="what the floating-point weights are stored as (default float32)")
+    parser.add_argument("--select", default="best", choices=list(SELECTIONS),
+                        help="of a checkpoints root: the best step by --metric (default; the latest when no "
+                             "step was validated) or the latest")
+    parser.add_argument("--metric", default="val_accuracy", choices=list(VALIDATION_METRICS),
+                        help="what --select best ranks by (default val_accuracy)")
     add_trust_flags(parser)
     args = parser.parse_args(argv)
     try:
-        result = export(args.checkpoint, args.output, trust_model=trust_from_args(args), dtype=args.dtype)
+        result = export(args.checkpoint, args.output, trust_model=trust_from_args(args), dtype=args.dtype,
+                        select=args.select, metric=args.metric)
     # OSError: raised outside export's own checks
     except (CheckpointError, ExportError, ModelImportError, OSError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     print(f"exported {result.path} ({result.num_bytes / 1e6:.2f} MB, {result.dtype}, sha256 "
-          f"{result.sha256[:12]}, step {result.step}, {result.num_parameters:,} parameters)")
+          f"{result.sha256[:12]}, step {result.step}, {result.num_parameters:,} parameters): step "
+          f"{result.step} is {result.selected}")
     return 0
 

@@ -9,7 +9,8 @@ rank 0 writes the commit marker (commit) and prunes older steps (prune). A resum
     resume        which step a resume loads (verify, fall back) and whether it fits the run
     commit        the commit marker, written last, and the per-file checksums it lists
     layout        step directories under a root: names, complete, torn and foreign ones
-    prune         deleting step directories: old, torn, superseded; never another program's
+    prune         deleting step directories: old, torn, superseded; never another program's, nor the best
+    selection     the best checkpoint by a validation metric its marker records (export's --select best)
     errors        what a checkpoint operation raises, each naming the file and the fix
     format        what a step directory holds, version by version, read into the registry's shape
     dcp           the torch.distributed.checkpoint side: torch's writer with named errors, our object-store
@@ -34,12 +35,13 @@ from traincore.checkpoint.layout import (
     step_store,
 )
 from traincore.checkpoint.resume import RunFit, check_fit, choose_step
+from traincore.checkpoint.selection import SELECTIONS, best_step, improves, select_step, step_metrics
 from traincore.checkpoint.store import Store, as_store, is_uri
 
 __all__ = [
-    "as_store", "check_fit", "Checkpointer", "CheckpointError", "CheckpointWriteError",
-    "choose_step", "complete_steps", "CorruptCheckpointError", "FORMAT_VERSION", "is_uri",
+    "as_store", "best_step", "check_fit", "Checkpointer", "CheckpointError", "CheckpointWriteError",
+    "choose_step", "complete_steps", "CorruptCheckpointError", "FORMAT_VERSION", "improves", "is_uri",
     "latest_complete", "MARKER", "open_saved", "parse_step_name", "read_checkpoint", "read_marker",
-    "RunFit", "SaveStats", "step_dir", "step_store", "Store",
+    "RunFit", "SaveStats", "select_step", "SELECTIONS", "step_dir", "step_metrics", "step_store", "Store",
     "verify_checkpoint",
 ]

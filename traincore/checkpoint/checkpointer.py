@@ -98,8 +98,9 @@ class Checkpointer:
     """Saves and restores a StateRegistry under ``root``; every rank constructs it and calls each method."""
 
     def __init__(self, root: str | Path | Store, cfg: CheckpointConfig, registry: StateRegistry,
-                 rank: int = 0, world_size: int = 1):
+                 rank: int = 0, world_size: int = 1, keep_best: str | None = None):
         self.root, self.cfg, self.registry = as_store(root), cfg, registry
+        self.keep_best = keep_best  # the metric whose best step pruning keeps (train.metric)
         self.rank, self.world_size = rank, world_size
         self.last_save: SaveStats | None = None
         self.committed: int | None = None  # the newest step this run loaded or committed
@@ -151,13 +152,15 @@ class Checkpointer:
         dist.gather_object(obj, out, dst=0, group=self._group)
         return out
 
-    def maybe_save(self, step: int, last_step: bool, interval_due: bool = False) -> bool:
-        """Save at every ``cfg.every``-th step, at the last one, and when the ranks agreed that
-        ``cfg.every_s`` ran out (``interval_due``; see :meth:`interval_elapsed`): the one place this rule
-        lives. True when a save of ``step`` began."""
-        due = bool(self.cfg.every and step % self.cfg.every == 0) or last_step or interval_due
+    def maybe_save(self, step: int, last_step: bool, interval_due: bool = False,
+                   metrics: dict[str, float] | None = None) -> bool:
+        """Save at every ``cfg.every``-th step, at the last one, at a validated one (``metrics``, which its
+        marker records) and when the ranks agreed that ``cfg.every_s`` ran out (``interval_due``; see
+        :meth:`interval_elapsed`): the one place this rule lives. True when a save of ``step`` began."""
+        due = (bool(self.cfg.every and step % self.cfg.every == 0) or last_step or interval_due
+               or metrics is not None)
         if due:
-            self.save(step)
+            self.save(step, metrics)
         return due
 
     def interval_elapsed(self) -> bool:
@@ -165,9 +168,10 @@ class Checkpointer:
         the run started); the ranks agree on it before any of them saves (PreemptionWatch.agree)."""
         return bool(self.cfg.every_s) and time.monotonic() - self._interval_start >= self.cfg.every_s
 
-    def save(self, step: int) -> None:
-        """Write ``<root>/step-{step:06d}/``; returns once training may go on (async: once the copy of the
-        state has started; see :meth:`wait_for_snapshot`)."""
+    def save(self, step: int, metrics: dict[str, float] | None = None) -> None:
+        """Write ``<root>/step-{step:06d}/``, its marker recording ``metrics`` (the step's validation);
+        returns once training may go on (async: once the copy of the state has started; see
+        :meth:`wait_for_snapshot`)."""
         start = time.perf_counter()
         self._interval_start = time.monotonic()
         self.wait()
@@ -184,10 +188,11 @@ class Checkpointer:
         blocking = time.perf_counter() - start
         log.info("checkpoint step=%d mode=%s blocking=%.3fs", step, self.cfg.mode, blocking)
         if self._executor is None:
-            self._commit(directory, step, start, blocking, finish)
+            self._commit(directory, step, start, blocking, finish, metrics)
             self._barrier()  # no rank goes on (or reads it) before the marker exists
         else:
-            self._pending = self._executor.submit(self._commit, directory, step, start, blocking, finish)
+            self._pending = self._executor.submit(self._commit, directory, step, start, blocking, finish,
+                                                  metrics)
 
     def _make_dir(self, directory: Store, step: int) -> str | None:
         """Rank 0: replace a torn (or superseded) leftover of the step by an empty directory; the error.
@@ -253,7 +258,7 @@ class Checkpointer:
                             for optimizer in registered_optimizers(self.registry)]
 
     def _commit(self, directory: Store, step: int, start: float, blocking: float,
-                finish: Callable[[], dict[str, dict]]) -> None:
+                finish: Callable[[], dict[str, dict]], metrics: dict[str, float] | None) -> None:
         """Every rank: finish writing and hand its checksums to rank 0, which writes the marker and prunes."""
         with failing_save(directory, discard=self.rank == 0):
             checksums = finish()
@@ -262,8 +267,9 @@ class Checkpointer:
         if self.rank == 0:
             every_rank = {name: entry for part in gathered for name, entry in part.items()}
             with failing_save(directory, discard=True):  # no marker: a torn save, deleted
-                num_bytes = write_marker(directory, step, self.cfg.mode, self.world_size, every_rank)
-            prune(self.root, self.cfg.keep_last)
+                num_bytes = write_marker(directory, step, self.cfg.mode, self.world_size, every_rank,
+                                         metrics)
+            prune(self.root, self.cfg.keep_last, self.keep_best)
         self.last_save = SaveStats(step, self.cfg.mode, blocking, time.perf_counter() - start, num_bytes)
         self.committed = step
         if self.rank == 0:

@@ -19,6 +19,7 @@ back once written (:func:`checksum_share`).
 from __future__ import annotations
 
 import json
+import math
 import re
 import zlib
 from pathlib import Path
@@ -27,6 +28,7 @@ from typing import Any
 from traincore.checkpoint.errors import CheckpointError, CheckpointWriteError, CorruptCheckpointError, writing
 from traincore.checkpoint.layout import EXTRA_FILE, MARKER, OWN_FILES, STATE_FILE, tmp_path
 from traincore.checkpoint.store import Store, as_store
+from traincore.config.schema import VALIDATION_METRICS
 from traincore.files import publish
 
 FORMAT_VERSION = 3  # 3: the state registry's members (2: fixed model/optim/extra layout; 1: sha256)
@@ -35,6 +37,7 @@ MODES = ("sync", "dcp", "async")
 _BLOCK = 8 << 20  # read size when checksumming a file
 _CRC32 = re.compile(r"^[0-9a-f]{8}$")
 _MARKER_KEYS = {"format_version", "step", "mode", "world_size", "format", "checksum", "files"}
+"""Every marker's keys; a validated step's also has ``metrics`` (traincore.checkpoint.selection)."""
 
 
 
@@ -78,8 +81,9 @@ def checksum_share(directory: str | Path | Store, rank: int, world_size: int) ->
 
 
 def write_marker(directory: str | Path | Store, step: int, mode: str, world_size: int,
-                 checksums: dict[str, dict]) -> int:
-    """Write the commit marker; returns the checkpoint's bytes.
+                 checksums: dict[str, dict], metrics: dict[str, float] | None = None) -> int:
+    """Write the commit marker; returns the checkpoint's bytes. ``metrics``: the step's validation
+    (``val_accuracy``, ``val_loss``), when it was validated.
 
     ``checksums`` holds the entries the ranks computed; a file without one is read here. The directory is
     the truth: every file in it is listed (in an object store: every object the listing shows, which holds
@@ -98,6 +102,8 @@ def write_marker(directory: str | Path | Store, step: int, mode: str, world_size
         files[name] = entry
     marker = {"format_version": FORMAT_VERSION, "step": step, "mode": mode, "world_size": world_size,
               "format": "torch_save" if mode == "sync" else "dcp", "checksum": "crc32", "files": files}
+    if metrics:
+        marker["metrics"] = metrics
     text = json.dumps(marker, indent=1).encode()
     if store.local:
         tmp = tmp_path(store.path / MARKER)
@@ -184,10 +190,23 @@ def _marker_problem(marker: dict) -> str | None:
         if not (isinstance(entry, dict) and _is_int(entry.get("bytes"))
                 and isinstance(entry.get("crc32"), str) and _CRC32.match(entry["crc32"])):
             return f"the entry of {name} is {entry!r}, not {{'bytes': <size>, 'crc32': <8 hex digits>}}"
+    if "metrics" in marker and (problem := _metrics_problem(marker["metrics"])):
+        return problem
     needed = [STATE_FILE] if expected_format == "torch_save" else [EXTRA_FILE, ".metadata"]
     missing = [name for name in needed if name not in files]
     if missing:
         return f"it lists no {', '.join(missing)}, which a {marker['mode']} checkpoint holds"
+    return None
+
+
+def _metrics_problem(metrics: Any) -> str | None:
+    """What is wrong with a marker's ``metrics`` (known metric names to finite numbers), or None."""
+    if not isinstance(metrics, dict):
+        return f"metrics is a {type(metrics).__name__}, not a mapping of metric names to numbers"
+    for name, value in metrics.items():
+        number = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+        if name not in VALIDATION_METRICS or not number:
+            return f"metrics has {name}={value!r}, not one of {', '.join(VALIDATION_METRICS)} with a number"
     return None
 
 

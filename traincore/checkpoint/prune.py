@@ -9,6 +9,7 @@ from pathlib import Path
 from traincore.checkpoint.commit import read_marker
 from traincore.checkpoint.errors import CheckpointError, CorruptCheckpointError
 from traincore.checkpoint.layout import MARKER, is_torn, parse_step_name, step_dirs
+from traincore.checkpoint.selection import best_step
 from traincore.checkpoint.store import Store, as_store
 
 log = logging.getLogger(__name__)
@@ -52,14 +53,16 @@ def remove_step(directory: str | Path | Store) -> None:
     store.remove_tree()
 
 
-def prune(root: str | Path | Store, keep_last: int) -> None:
-    """Keep the newest ``keep_last`` complete steps; delete older ones and torn ones older than the newest
-    (never an entry that is not ours)."""
+def prune(root: str | Path | Store, keep_last: int, keep_best: str | None = None) -> None:
+    """Keep the newest ``keep_last`` complete steps, and the best by the metric ``keep_best``
+    (traincore.checkpoint.selection); delete older ones and torn ones older than the newest (never an entry
+    that is not ours)."""
     steps = step_dirs(root)
     complete = sorted(step for step, location in steps.items() if location.is_file(MARKER))
     if not complete:
         return
-    old = [steps[s] for s in complete[:-keep_last] if _marker_is_ours(steps[s])]
+    best = best_step(root, keep_best) if keep_best and len(complete) > keep_last else None
+    old = [steps[s] for s in complete[:-keep_last] if s != best and _marker_is_ours(steps[s])]
     torn_older = [location for s, location in steps.items() if s < complete[-1] and is_torn(location)]
     for location in torn_older:
         log.info("deleting %s: a save that never committed", location)

@@ -12,6 +12,7 @@ from traincore.config.presets import PRESETS, build_config, preset
 from traincore.config.schema import (
     OWN_MODELS,
     PARALLELISMS,
+    VALIDATION_METRICS,
     CheckpointConfig,
     Config,
     ConfigError,
@@ -28,5 +29,5 @@ from traincore.config.schema import (
 __all__ = [
     "build_config", "CheckpointConfig", "Config", "ConfigError", "DataConfig", "DistConfig",
     "is_imported_model", "LoaderConfig", "model_identity", "ModelConfig", "OWN_MODELS", "PARALLELISMS",
-    "parse_source", "preset", "PRESETS", "TelemetryConfig",
+    "parse_source", "preset", "PRESETS", "TelemetryConfig", "VALIDATION_METRICS",
 ]

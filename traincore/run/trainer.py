@@ -33,6 +33,7 @@ from traincore.run.dist import (
     parallelize,
     tighten_timeout,
 )
+from traincore.run.early_stopping import EarlyStopping
 from traincore.run.preemption import (
     Preempted,
     PreemptionWatch,
@@ -116,6 +117,8 @@ class Trainer:
         self.manifest = manifest
         self.progress = Progress()
         self.closed = False
+        self.validated: dict[str, float] | None = None  # the last validation, as a checkpoint records it
+        self.stopped_early = False
         self.parts = ExitStack()  # unwinds in reverse: profiler, checkpointer, telemetry, logging, group, ...
         try:
             self._open(self.parts)
@@ -165,8 +168,12 @@ class Trainer:
         self.registry = training_registry(self.model, self.optimizer, self.scheduler, self.loader,
                                           self.progress, self.run_meta)
         self.registry.register("telemetry", self.telemetry)
+        stopping = cfg.train.early_stopping
+        self.early_stopping = EarlyStopping(cfg.train.metric, stopping.get("patience"),
+                                            stopping.get("min_delta", 0.0))
+        self.registry.register("early_stopping", self.early_stopping)
         self.checkpointer = Checkpointer(self.checkpoint_root, cfg.checkpoint, self.registry, ctx.rank,
-                                         ctx.world_size)
+                                         ctx.world_size, keep_best=cfg.train.metric)
         stack.callback(self.checkpointer.close)
         self.profiler = ProfilerWindow(cfg.train.profile_window(), self.output, ctx.rank)
         stack.callback(self.profiler.close)
@@ -198,9 +205,9 @@ class Trainer:
             # A peer that hangs surfaces as gloo's bare "Timed out waiting ...": say what timed out and why.
             with explain_timeouts(self.cfg.dist, self.ctx.rank, lambda: self.progress.step):
                 self._run_steps()
-                val = validate(self.model, self.val_split, self.cfg.loader.eval_batch_size, self.ctx)
-            self.telemetry.log_eval(self.progress.step, val)
-            return self._summary(val["accuracy"])
+                if self.validated is None:  # resumed at the last step: nothing ran, so validate here
+                    self.validated = self._validate(self.progress.step)
+            return self._summary(self.validated["val_accuracy"])
 
     def _workload(self, model: nn.Module) -> Workload:
         """Steps, batch and FLOPs for telemetry; MFU is measured against the dtype the run computes in.
@@ -307,15 +314,28 @@ class Trainer:
                 self.telemetry.log_state_bytes(step, *state_bytes(self.model, self.optimizer))
             if step % cfg.train.gc_every == 0:
                 gc.collect()
-            if cfg.train.eval_every and step % cfg.train.eval_every == 0 and not last:
-                self.telemetry.log_eval(step, validate(self.model, self.val_split, cfg.loader.eval_batch_size,
-                                                       self.ctx))
+            validated = stop_early = None
+            if last or (cfg.train.eval_every and step % cfg.train.eval_every == 0):
+                self.validated = validated = self._validate(step)
+                stop_early = self.early_stopping.observe(step, validated)  # the same on every rank
             agreed = self.preemption.agree(save_due=self.checkpointer.interval_elapsed())
-            saved = self.checkpointer.maybe_save(step, last_step=last, interval_due=agreed.save)
+            saved = self.checkpointer.maybe_save(step, last_step=last or stop_early, interval_due=agreed.save,
+                                                 metrics=validated)
+            if stop_early:
+                self.stopped_early = True
+                log.info("%s", self.early_stopping.reason(step))
+                break
             if not last and agreed.stop:
                 self._stop_preempted(step, saved)
         self.preemption.finish()
         self.checkpointer.wait()
+
+    def _validate(self, step: int) -> dict[str, float]:
+        """Validate on the val split, log it, and return it as a checkpoint records it (val_accuracy,
+        val_loss)."""
+        val = validate(self.model, self.val_split, self.cfg.loader.eval_batch_size, self.ctx)
+        self.telemetry.log_eval(step, val)
+        return {f"val_{name}": value for name, value in val.items()}
 
     def _stop_preempted(self, step: int, saved: bool) -> None:
         """Every rank: save ``step`` unless just done, wait until it is committed, raise Preempted."""
@@ -342,7 +362,9 @@ class Trainer:
                             checkpoint_dir=str(self.checkpoint_root), output_dir=str(self.output),
                             wall_s=totals["wall_s"], world_size=self.ctx.world_size,
                             startup_s=dict(self.startup.phases),
-                            records=self.records.target.uri if self.records is not None else "")
+                            records=self.records.target.uri if self.records is not None else "",
+                            metric=self.early_stopping.metric, best_step=self.early_stopping.best_step,
+                            best_value=self.early_stopping.best, stopped_early=self.stopped_early)
 
 
 @contextmanager

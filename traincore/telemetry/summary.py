@@ -25,6 +25,14 @@ class TrainSummary:
     records: str = ""
     """Where this attempt's records (metrics.jsonl, TensorBoard events) are kept in the durable root; empty
     when they stay in the output directory only."""
+    metric: str = "val_accuracy"
+    """The validation metric that ranks the run's checkpoints (train.metric)."""
+    best_step: int | None = None
+    """The step of the best validation by ``metric``: the checkpoint export takes by default."""
+    best_value: float | None = None
+    """That validation's ``metric``."""
+    stopped_early: bool = False
+    """Whether early stopping (train.early_stopping) ended the run before its last step."""
 
 
 def format_summary(summary: TrainSummary) -> str:
@@ -34,8 +42,11 @@ def format_summary(summary: TrainSummary) -> str:
         return (f"nothing to train: step {summary.steps} was already reached (checkpoints in "
                 f"{summary.checkpoint_dir}); val accuracy {val}. Raise --max-steps/--epochs to train on")
     resumed = f", resumed from step {summary.resumed_from}" if summary.resumed_from else ""
-    return (f"trained {summary.steps} steps in {summary.wall_s:.1f} s{resumed}: "
+    stopped = " (stopped early)" if summary.stopped_early else ""
+    best = (f" (best {summary.metric} {summary.best_value:.4f} at step {summary.best_step})"
+            if summary.best_step is not None and summary.best_step != summary.steps else "")
+    return (f"trained {summary.steps} steps{stopped} in {summary.wall_s:.1f} s{resumed}: "
             f"{summary.samples_per_s:,.0f} samples/s, data-wait {100 * summary.data_wait_share:.1f}%, "
-            f"final loss {summary.final_loss:.4f}, val accuracy {val}; "
+            f"final loss {summary.final_loss:.4f}, val accuracy {val}{best}; "
             f"checkpoints in {summary.checkpoint_dir}" + (f"; records in {summary.records}" if summary.records
                                                           else ""))
