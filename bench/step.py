@@ -39,7 +39,8 @@ from traincore.config.presets import preset  # noqa: E402
 from traincore.config.schema import Config  # noqa: E402
 from traincore.data.loader import StagedLoader, StagedSplit  # noqa: E402
 from traincore.model.build import SmallCNN, build_model  # noqa: E402
-from traincore.run.steps import endless, seed_everything, warmup_cosine  # noqa: E402
+from traincore.run.schedule import lr_factor  # noqa: E402
+from traincore.run.steps import endless, seed_everything  # noqa: E402
 from traincore.run.trainer import Trainer  # noqa: E402
 
 TARGET_RATIO = 1.05
@@ -89,7 +90,7 @@ def bare(cfg: Config, data: Path, output: Path) -> None:
     optim = cfg.optim
     optimizer = torch.optim.AdamW(model.parameters(), lr=optim.lr, betas=(optim.beta1, optim.beta2),
                                   weight_decay=optim.weight_decay, foreach=True)
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, warmup_cosine(cfg, cfg.train.max_steps))
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_factor(cfg, cfg.train.max_steps))
     batches = endless(loader)
     model.train()
     for _ in range(cfg.train.max_steps):

@@ -161,22 +161,24 @@ def load_tensors(saved: SavedState, directory: Store, marker: dict, template: di
 
 def read_checkpoint(directory: str | Path | Store) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
     """Model weights and ``{"step", "meta"}`` of one step directory (local or in an object store), in this
-    process alone (export)."""
+    process alone (export). The weights are the run's average (``ema``, optim.ema_decay) when it kept one,
+    else the live ``model``'s."""
     directory = as_store(directory)
     marker = read_marker(directory)
     saved = open_saved(directory, marker)
+    member = "ema" if "ema" in saved.shared else "model"
     if marker["format"] == "dcp":
-        template = {"model": {key.removeprefix("model."): torch.empty(shape, dtype=dtype)
-                              for key, (shape, dtype) in _dcp_model_entries(directory).items()}}
+        template = {member: {key.removeprefix(f"{member}."): torch.empty(shape, dtype=dtype)
+                             for key, (shape, dtype) in _dcp_entries(directory, member).items()}}
         load_tensors(saved, directory, marker, template)
-    return saved.shared["model"], {"step": saved.step, "meta": saved.shared.get("run", {})}
+    return saved.shared[member], {"step": saved.step, "meta": saved.shared.get("run", {})}
 
 
-def _dcp_model_entries(directory: Store) -> dict[str, tuple[list[int], torch.dtype]]:
+def _dcp_entries(directory: Store, member: str) -> dict[str, tuple[list[int], torch.dtype]]:
     from traincore.checkpoint.dcp import tensor_index
 
     return {key: (list(md.size), md.properties.dtype) for key, md in tensor_index(directory).items()
-            if key.startswith("model.")}
+            if key.startswith(f"{member}.")}
 
 
 def _get_path(tree: dict[str, Any], path: tuple[str, ...]) -> Any:

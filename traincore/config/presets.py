@@ -10,6 +10,8 @@ from collections.abc import Mapping
 from typing import Any
 
 from traincore.config.schema import (
+    IMAGENET_MEAN,
+    IMAGENET_STD,
     CheckpointConfig,
     Config,
     ConfigError,
@@ -71,7 +73,8 @@ def imagenet_like() -> Config:
     is not worth that price on a GPU run of this size.
     """
     return Config(
-        data=DataConfig(source="imagefolder:./data/imagenet", image_size=224, channels=3),
+        data=DataConfig(source="imagefolder:./data/imagenet", image_size=224, channels=3, mean=IMAGENET_MEAN,
+                        std=IMAGENET_STD),
         loader=LoaderConfig(batch_size=128, num_workers=8, prefetch_factor=4, random_resized_crop=True,
                             horizontal_flip=True),
         model=ModelConfig(name="resnet50", compile=True),

@@ -125,6 +125,9 @@ def _one_of(name: str, value: Any, choices: tuple[str, ...]) -> None:
 
 
 SOURCE_KINDS = ("digits", "synthetic", "imagefolder", "python")
+IMAGENET_MEAN = [0.485, 0.456, 0.406]
+IMAGENET_STD = [0.229, 0.224, 0.225]
+"""The normalisation torchvision's ImageNet weights were trained with (data.mean, data.std)."""
 MODEL_NAMES = ("small_cnn", "resnet18", "resnet34", "resnet50", "vit_b_16", "vit_tiny", "mlp")
 _IMPORT_PATH = re.compile(r"^[A-Za-z_]\w*(\.[A-Za-z_]\w*)*:[A-Za-z_]\w*(\.[A-Za-z_]\w*)*$")
 FACTORY_ARGUMENTS = ("num_classes", "in_channels", "image_size")
@@ -137,6 +140,7 @@ WANDB_MODES = ("disabled", "offline", "online")
 DIST_BACKENDS = ("auto", "gloo", "nccl", "cpu:gloo,cuda:nccl")
 PARALLELISMS = ("ddp", "fsdp")
 OPTIMIZERS = ("adamw", "sgd")
+LR_SCHEDULES = ("cosine", "linear", "step", "constant", "onecycle")
 VALIDATION_METRICS = ("val_accuracy", "val_loss")
 """What train.metric may name; accuracy is better higher, loss lower."""
 MAX_SEED = 2**63 - 1  # seed + rank must fit torch.manual_seed's 64 bits
@@ -186,6 +190,13 @@ class DataConfig:
     """Samples per staged uint8 memmap shard file; the loader reads across shard boundaries."""
     decode_workers: int = 0
     """Processes that decode and resize ImageFolder images while staging; 0 = one per CPU core."""
+    mean: list = field(default_factory=list)
+    """Per-channel mean (of pixel values in [0, 1]) that training, validation and the exported model
+    subtract; empty = the staged data's own. Set it with std, e.g. to ImageNet's ([0.485, 0.456, 0.406],
+    the imagenet_like preset's) when starting from weights trained with it."""
+    std: list = field(default_factory=list)
+    """Per-channel standard deviation to divide by, beside mean (ImageNet's: [0.229, 0.224, 0.225]); empty =
+    the staged data's own."""
 
     def __post_init__(self) -> None:
         _check_types(self, "data")
@@ -200,6 +211,20 @@ class DataConfig:
                    "must be a fraction in [0, 1)")
         _check(self.val_fraction + self.test_fraction < 1.0, "data.val_fraction + data.test_fraction",
                self.val_fraction + self.test_fraction, "must leave a training split (sum < 1)")
+        self._check_normalization()
+
+    def _check_normalization(self) -> None:
+        example = f"e.g. {IMAGENET_MEAN} and {IMAGENET_STD} (ImageNet's)"
+        _check(bool(self.mean) == bool(self.std), "data.mean/data.std", (self.mean, self.std),
+               f"set both or neither, {example}")
+        for name, low in (("mean", -math.inf), ("std", 0.0)):
+            values = getattr(self, name)
+            numbers = all(isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+                          and v > low for v in values)
+            _check(numbers, f"data.{name}", values,
+                   f"expected a list of {'positive ' if low == 0 else ''}numbers, one per channel, {example}")
+            _check(not values or len(values) == self.channels, f"data.{name}", values,
+                   f"needs one value per channel: data.channels is {self.channels}")
 
 
 @dataclass
@@ -307,7 +332,7 @@ def model_identity(model: dict[str, Any]) -> dict[str, Any]:
 
 @dataclass
 class OptimConfig:
-    """AdamW or SGD, with linear warmup then cosine decay to ``lr * min_lr_ratio``."""
+    """AdamW or SGD, with linear warmup then a schedule (cosine decay to ``lr * min_lr_ratio`` by default)."""
     name: str = "adamw"
     """adamw (decoupled weight decay, beta1/beta2) or sgd (momentum, nesterov; L2 weight decay), as in
     torchvision's classification reference."""
@@ -324,9 +349,28 @@ class OptimConfig:
     beta2: float = 0.999
     """adamw only: second-moment decay, in [0, 1)."""
     warmup_steps: int = 20
-    """Steps of linear warmup from 0 to lr; 0 = start at the peak."""
+    """Steps of linear warmup from 0 to lr (onecycle: its rise from lr/25); 0 = start at the peak."""
+    schedule: str = "cosine"
+    """The lr after warmup (traincore/run/schedule.py): ``cosine`` or ``linear`` decay to lr x min_lr_ratio
+    at the last step, ``step`` (x step_gamma at each of step_milestones), ``constant``, or ``onecycle``
+    (a cosine rise from lr/25 over warmup_steps, or 30% of the run when 0, then a cosine fall)."""
     min_lr_ratio: float = 0.1
-    """Cosine floor: the lr decays to lr x min_lr_ratio at the last step; in [0, 1]."""
+    """Floor of the decay: the lr ends at lr x min_lr_ratio (cosine, linear, onecycle) or never goes under
+    it (step); in [0, 1]."""
+    step_milestones: list = field(default_factory=lambda: [0.5, 0.75])
+    """``step`` schedule: the fractions of the steps after warmup at which the lr is multiplied by
+    step_gamma, ascending, each in (0, 1)."""
+    step_gamma: float = 0.1
+    """``step`` schedule: the factor at each milestone, in (0, 1]."""
+    ema_decay: float = 0.0
+    """An exponential moving average of the weights, e.g. 0.999 (in (0, 1); 0 = off): each step the
+    average moves 1 - ema_decay of the way to the live weights. When on, validation and export use the
+    average, and checkpoints hold it beside the live weights."""
+    param_groups: list = field(default_factory=list)
+    """Parameters by name with a learning-rate multiplier or frozen (traincore/run/param_groups.py), e.g.
+    ``[{"pattern": "fc.*", "lr_mult": 10}, {"pattern": "conv1.*", "freeze": true}]``: fnmatch patterns
+    over the model's parameter names, the first match wins, the rest keep lr; a pattern that matches no
+    parameter is refused before training starts."""
     grad_clip: float = 1.0
     """Maximum global gradient L2 norm; 0 disables clipping."""
 
@@ -343,7 +387,31 @@ class OptimConfig:
             _check(0 <= getattr(self, name) < 1, f"optim.{name}", getattr(self, name), "must be in [0, 1)")
         _ints(self, "optim", warmup_steps=0)
         _check(0 <= self.min_lr_ratio <= 1, "optim.min_lr_ratio", self.min_lr_ratio, "must be in [0, 1]")
+        _one_of("optim.schedule", self.schedule, LR_SCHEDULES)
+        _check(self.ema_decay == 0 or 0 < self.ema_decay < 1, "optim.ema_decay", self.ema_decay,
+               "must be in (0, 1), e.g. 0.999, or 0 to turn the average off")
+        for index, group in enumerate(self.param_groups):
+            _check_param_group(f"optim.param_groups[{index}]", group)
+        milestones = self.step_milestones
+        _check(all(isinstance(m, (int, float)) and not isinstance(m, bool) and 0 < m < 1 for m in milestones)
+               and milestones == sorted(milestones), "optim.step_milestones", milestones,
+               "expected ascending fractions of the run in (0, 1), e.g. [0.5, 0.75]")
+        _check(0 < self.step_gamma <= 1, "optim.step_gamma", self.step_gamma, "must be in (0, 1]")
         _check(self.grad_clip >= 0, "optim.grad_clip", self.grad_clip, "must be >= 0 (0 disables clipping)")
+
+
+def _check_param_group(name: str, group: Any) -> None:
+    example = '{"pattern": "fc.*", "lr_mult": 10} or {"pattern": "conv1.*", "freeze": true}'
+    _check(isinstance(group, dict) and set(group) <= {"pattern", "lr_mult", "freeze"} and
+           isinstance(group.get("pattern"), str) and bool(group["pattern"]), name, group,
+           f"expected {example}")
+    freeze, lr_mult = group.get("freeze", False), group.get("lr_mult")
+    _check(isinstance(freeze, bool), f"{name}.freeze", freeze, "expected true or false")
+    _check(freeze != (lr_mult is not None), name, group,
+           "give either lr_mult (a frozen group has no learning rate) or freeze: true")
+    if lr_mult is not None:
+        _check(isinstance(lr_mult, (int, float)) and not isinstance(lr_mult, bool) and 0 < lr_mult < 1e6,
+               f"{name}.lr_mult", lr_mult, "must be a number > 0 (the group's lr is optim.lr x lr_mult)")
 
 
 @dataclass
@@ -487,6 +555,12 @@ class TelemetryConfig:
     """Weights & Biases: ``disabled``, ``offline`` (local files only) or ``online``."""
     wandb_project: str = "flyte-torch-pipeline"
     """W&B project the run is logged under."""
+    wandb_entity: str = ""
+    """W&B team or user the project belongs to; empty = the key's default entity."""
+    wandb_run_name: str = ""
+    """The W&B run's display name; empty = one W&B makes up."""
+    wandb_tags: list = field(default_factory=list)
+    """Tags of the W&B run (strings of 1 to 64 characters), e.g. ``["digits", "baseline"]``."""
     progress: str = "auto"
     """Progress bar: ``on``, ``off`` or ``auto`` (only when stdout is a terminal)."""
     level: str = "INFO"
@@ -498,6 +572,9 @@ class TelemetryConfig:
         _check(self.records_every_s >= 0, "telemetry.records_every_s", self.records_every_s,
                "must be >= 0 seconds (e.g. 30; 0 copies the records only when the run ends)")
         _one_of("telemetry.wandb_mode", self.wandb_mode, WANDB_MODES)
+        _check(all(isinstance(tag, str) and 0 < len(tag) <= 64 for tag in self.wandb_tags),
+               "telemetry.wandb_tags", self.wandb_tags, 'expected a list of 1-64 character strings, e.g. '
+               '["digits", "baseline"] (W&B\'s limit)')
         _one_of("telemetry.progress", self.progress, ("auto", "on", "off"))
         _one_of("telemetry.level", self.level, ("DEBUG", "INFO", "WARNING", "ERROR"))
 

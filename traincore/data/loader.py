@@ -37,9 +37,12 @@ class StagedSplit:
     """One split of a staged dataset, memory-mapped and checked on open (data.manifest: sizes and labels
     every time, image sha256 once per staging, recorded in ``verified.json``)."""
 
-    def __init__(self, directory: str | Path, split: str, verify_hashes: bool = False):
+    def __init__(self, directory: str | Path, split: str, verify_hashes: bool = False,
+                 normalization: tuple[list[float], list[float]] | None = None):
         self.directory = Path(directory)
         self.manifest = Manifest.load(self.directory)
+        # (mean, std) that batches are normalised with: the config's (data.mean, data.std), else the staging's
+        self.mean, self.std = normalization or (self.manifest.mean, self.manifest.std)
         if split not in self.manifest.splits:
             raise StagingError(f"split {split!r} is not in {directory}; it has "
                                f"{', '.join(self.manifest.splits)}")
@@ -160,7 +163,7 @@ class StagedLoader:
         self.rank, self.world_size, self.seed = rank, world_size, seed
         self.device = torch.device(device)
         self.epoch, self.consumed = 0, 0
-        self.normalize = Normalizer(split.manifest.mean, split.manifest.std, self.device)
+        self.normalize = Normalizer(split.mean, split.std, self.device)
         self.augment = Augmenter(cfg) if cfg.random_resized_crop or cfg.horizontal_flip else None
         global_batch = cfg.batch_size * world_size
         if cfg.drop_last and len(split) < global_batch:

@@ -1,11 +1,13 @@
 """The training run: one Trainer per worker, the loop's steps, what a resume restores, and how workers start.
 
     trainer     the Trainer: model, optimizer, schedule, loader, checkpointer and telemetry of one run
-    steps       one training step, one validation pass, the LR schedule, seeding
+    steps       one training step, one validation pass, seeding
+    schedule    the LR schedule: warmup, then cosine, linear, step, constant or one cycle
     state       the state registry: Stateful views of every part a resume restores
     dist        process groups from the torchrun / torch elastic environment; collective timeouts; FSDP2/DDP
     launch      local workers started from one process (``--nproc-per-node``)
     preflight   the checks a run passes before any process group or worker starts
+    early_stopping  the best validation so far; stop after `patience` validations without improvement
     preemption  SIGTERM / SIGINT / Slurm's warning: agree on a step, save it within the grace, exit 75
     cli         ``python -m traincore.train``: flags, presets, one ``error:`` line for bad input
 
@@ -16,13 +18,15 @@ from traincore.run.dist import DistContext, parallelize
 from traincore.run.launch import settle_worker, start_method, worker_threads
 from traincore.run.preemption import Preempted, PreemptionWatch, read_record
 from traincore.run.preflight import OutputError, check_model_input, ensure_writable_dir, preflight
+from traincore.run.schedule import lr_factor
 from traincore.run.state import Progress, StateRegistry, training_registry
-from traincore.run.steps import endless, seed_everything, warmup_cosine
+from traincore.run.steps import endless, seed_everything
 from traincore.run.trainer import Trainer
 
 __all__ = [
-    "check_model_input", "DistContext", "endless", "ensure_writable_dir", "OutputError", "parallelize",
+    "check_model_input", "DistContext", "endless", "ensure_writable_dir", "lr_factor", "OutputError",
+    "parallelize",
     "Preempted", "PreemptionWatch", "preflight", "Progress", "read_record",
     "seed_everything", "settle_worker", "start_method", "StateRegistry", "Trainer", "training_registry",
-    "warmup_cosine", "worker_threads",
+    "worker_threads",
 ]

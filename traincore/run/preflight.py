@@ -39,6 +39,7 @@ from traincore.model import (
     store_options,
 )
 from traincore.run.dist import resolve_backend
+from traincore.run.param_groups import check_param_groups
 from traincore.run.steps import check_step_fits_epoch
 from traincore.telemetry import check_wandb_reachable, resolve_wandb_key
 
@@ -70,9 +71,14 @@ def preflight(cfg: Config, data_dir: str | Path, output_dir: str | Path | None =
     if cfg.model.name == "vit_b_16" and manifest.shape[1] % 16:
         raise ValueError(f"model.name='vit_b_16' needs an image size divisible by 16; {data_dir} is staged "
                          f"at {manifest.shape[1]}: stage again with a multiple of 16")
+    if cfg.data.mean and len(cfg.data.mean) != manifest.shape[0]:
+        raise ValueError(f"data.mean={cfg.data.mean} and data.std={cfg.data.std} give {len(cfg.data.mean)} "
+                         f"channels, but {data_dir} is staged with {manifest.shape[0]}: give one value per "
+                         "staged channel, or leave both empty for the staging's own statistics")
     resolve_backend(cfg.dist, torch.cuda.is_available())  # nccl without CUDA fails here, not in a worker
     model = check_model_input(cfg.model, manifest.num_classes, manifest.shape, f"the data in {data_dir}",
                               cfg.loader.batch_size)
+    check_param_groups(model, cfg.optim.param_groups)  # a pattern that matches nothing
     if cfg.dist.parallelism == "fsdp":
         shard_units(model, cfg.model.name)  # a module's shard_units hook fails here, not in every worker
     root = as_store(checkpoint_dir) if checkpoint_dir is not None else None

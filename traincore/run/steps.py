@@ -65,19 +65,6 @@ def _step_exceeds_epoch(batches: int, numbers: str) -> ConfigError:
                        f"would count steps, not passes over the data); {fix}, or stage more data")
 
 
-def warmup_cosine(cfg: Config, steps: int):
-    """LR multiplier: linear warmup, then cosine decay to ``min_lr_ratio`` at the last step."""
-    warmup, floor = cfg.optim.warmup_steps, cfg.optim.min_lr_ratio
-
-    def factor(step: int) -> float:
-        if step < warmup:
-            return (step + 1) / warmup
-        progress = min(1.0, (step - warmup) / max(1, steps - warmup))
-        return floor + (1 - floor) * 0.5 * (1 + math.cos(math.pi * progress))
-
-    return factor
-
-
 def seed_everything(seed: int) -> None:
     """Seed Python, NumPy and torch."""
     random.seed(seed)
@@ -166,7 +153,7 @@ def gradient_sync(model: nn.Module, enabled: bool) -> Iterator[None]:
 @torch.no_grad()
 def validate(model: nn.Module, split: StagedSplit, batch_size: int, ctx: DistContext) -> dict[str, float]:
     """Loss and accuracy over the whole split, each rank taking a share, summed across ranks."""
-    normalize = Normalizer(split.manifest.mean, split.manifest.std, ctx.device)
+    normalize = Normalizer(split.mean, split.std, ctx.device)
     was_training = model.training
     model.eval()
     loss_sum = correct = 0.0

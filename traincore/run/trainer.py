@@ -34,6 +34,8 @@ from traincore.run.dist import (
     tighten_timeout,
 )
 from traincore.run.early_stopping import EarlyStopping
+from traincore.run.ema import EMA
+from traincore.run.param_groups import freeze, optimizer_groups
 from traincore.run.preemption import (
     Preempted,
     PreemptionWatch,
@@ -41,8 +43,9 @@ from traincore.run.preemption import (
     write_record,
 )
 from traincore.run.preflight import preflight
+from traincore.run.schedule import lr_factor
 from traincore.run.state import Progress, load_model_tensors, training_registry, unwrap_model
-from traincore.run.steps import endless, seed_everything, total_steps, train_step, validate, warmup_cosine
+from traincore.run.steps import endless, seed_everything, total_steps, train_step, validate
 from traincore.telemetry import (
     ProfilerWindow,
     RecordsSync,
@@ -150,10 +153,12 @@ class Trainer:
         self.step_batch_size = self.loader.global_batch_size * cfg.train.grad_accum_steps
         self.startup.mark("loader")
         model = build_model(cfg.model, self.manifest.num_classes, self.manifest.shape, seed=cfg.train.seed)
+        freeze(model, cfg.optim.param_groups)  # before DDP or FSDP2 decide what they reduce
         workload = self._workload(model)
         self.model = parallelize(model.to(ctx.device), model_units(model, cfg), cfg.dist, ctx,
                                  bf16=cfg.train.bf16, compile=cfg.model.compile)
         self.optimizer, self.scheduler = optimizer_and_schedule(cfg, self.model, self.total_steps)
+        self.ema = self._ema() if cfg.optim.ema_decay else None
         self.startup.mark("model")
         self.records = self._records()
         if self.records is not None:  # closed after telemetry, whose last rows and events it copies
@@ -168,6 +173,8 @@ class Trainer:
         self.registry = training_registry(self.model, self.optimizer, self.scheduler, self.loader,
                                           self.progress, self.run_meta)
         self.registry.register("telemetry", self.telemetry)
+        if self.ema is not None:
+            self.registry.register("ema", self.ema)
         stopping = cfg.train.early_stopping
         self.early_stopping = EarlyStopping(cfg.train.metric, stopping.get("patience"),
                                             stopping.get("min_delta", 0.0))
@@ -246,8 +253,8 @@ class Trainer:
         added by :meth:`_warm_start`, the file its weights started from)."""
         manifest = self.manifest
         return {"config": self.cfg.to_dict(), "num_classes": manifest.num_classes,
-                "shape": list(manifest.shape), "classes": manifest.classes, "mean": manifest.mean,
-                "std": manifest.std, "source": manifest.source, "world_size": self.ctx.world_size}
+                "shape": list(manifest.shape), "classes": manifest.classes, "mean": self.val_split.mean,
+                "std": self.val_split.std, "source": manifest.source, "world_size": self.ctx.world_size}
 
     def _records(self) -> RecordsSync | None:
         """Rank 0's copier of metrics.jsonl and the TensorBoard events into the checkpoint root's
@@ -304,6 +311,8 @@ class Trainer:
             self.profiler.on_step(progress.step)
             loss = train_step(self.model, self.optimizer, self.scheduler, micro_batches, cfg,
                               before_update=self.checkpointer.wait_for_snapshot)
+            if self.ema is not None:
+                self.ema.update()
             progress.step += 1
             step, last = progress.step, progress.step == self.total_steps
             self.telemetry.step_done(step, loss, self.scheduler.get_last_lr()[0])
@@ -330,10 +339,22 @@ class Trainer:
         self.preemption.finish()
         self.checkpointer.wait()
 
+    def _ema(self) -> EMA:
+        """The average of the weights (optim.ema_decay), sharded as the model is."""
+        cfg, ctx = self.cfg, self.ctx
+
+        def sharded_copy() -> nn.Module:
+            twin = build_model(cfg.model, self.manifest.num_classes, self.manifest.shape).to(ctx.device)
+            return parallelize(twin, model_units(twin, cfg), cfg.dist, ctx, bf16=cfg.train.bf16)
+
+        sharded = cfg.dist.parallelism == "fsdp" and ctx.distributed
+        return EMA(self.model, cfg.optim.ema_decay, sharded_copy if sharded else None)
+
     def _validate(self, step: int) -> dict[str, float]:
-        """Validate on the val split, log it, and return it as a checkpoint records it (val_accuracy,
-        val_loss)."""
-        val = validate(self.model, self.val_split, self.cfg.loader.eval_batch_size, self.ctx)
+        """Validate on the val split (the average of the weights, when on), log it, and return it as a
+        checkpoint records it (val_accuracy, val_loss)."""
+        model = self.ema.model if self.ema is not None else self.model
+        val = validate(model, self.val_split, self.cfg.loader.eval_batch_size, self.ctx)
         self.telemetry.log_eval(step, val)
         return {f"val_{name}": value for name, value in val.items()}
 
@@ -382,7 +403,9 @@ def deterministic_algorithms(enabled: bool) -> Iterator[None]:
 
 def training_loader(cfg: Config, data_dir: Path, ctx: DistContext) -> tuple[StagedLoader, StagedSplit]:
     """This rank's resumable loader over the train split (autotuned when asked), and the val split."""
-    train_split, val_split = StagedSplit(data_dir, "train"), StagedSplit(data_dir, "val")
+    normalization = (cfg.data.mean, cfg.data.std) if cfg.data.mean else None
+    train_split, val_split = (StagedSplit(data_dir, split, normalization=normalization)
+                              for split in ("train", "val"))
     loader_cfg = cfg.loader
     if loader_cfg.autotune:
         loader_cfg = autotune(train_split, loader_cfg, rank=ctx.rank, world_size=ctx.world_size,
@@ -398,12 +421,13 @@ def model_units(model: nn.Module, cfg: Config) -> list[nn.Module]:
 
 
 def optimizer_and_schedule(cfg: Config, model: nn.Module, steps: int) -> tuple[torch.optim.Optimizer, Any]:
-    """optim.name over the model's parameters and its warmup-cosine LR schedule over ``steps``."""
+    """optim.name over the model's parameters and its LR schedule (optim.schedule) over ``steps``."""
     optim = cfg.optim
+    groups = optimizer_groups(unwrap_model(model), cfg)  # by canonical name (optim.param_groups)
     if optim.name == "sgd":
-        optimizer = torch.optim.SGD(model.parameters(), lr=optim.lr, momentum=optim.momentum,
+        optimizer = torch.optim.SGD(groups, lr=optim.lr, momentum=optim.momentum,
                                     nesterov=optim.nesterov, weight_decay=optim.weight_decay, foreach=True)
     else:
-        optimizer = torch.optim.AdamW(model.parameters(), lr=optim.lr, betas=(optim.beta1, optim.beta2),
+        optimizer = torch.optim.AdamW(groups, lr=optim.lr, betas=(optim.beta1, optim.beta2),
                                       weight_decay=optim.weight_decay, foreach=True)
-    return optimizer, torch.optim.lr_scheduler.LambdaLR(optimizer, warmup_cosine(cfg, steps))
+    return optimizer, torch.optim.lr_scheduler.LambdaLR(optimizer, lr_factor(cfg, steps))

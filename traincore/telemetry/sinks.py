@@ -191,8 +191,10 @@ class WandbSink:
         # inherited by child processes or stored with the run.
         settings = wandb.Settings(api_key=self._key) if self._key else None
         try:
-            return wandb.init(mode=self._cfg.wandb_mode, dir=self._output_dir,
-                              project=self._cfg.wandb_project, config=self._run_config, settings=settings)
+            cfg = self._cfg
+            return wandb.init(mode=cfg.wandb_mode, dir=self._output_dir, project=cfg.wandb_project,
+                              entity=cfg.wandb_entity or None, name=cfg.wandb_run_name or None,
+                              tags=cfg.wandb_tags or None, config=self._run_config, settings=settings)
         except wandb.errors.Error as exc:
             # One line with the cause: wandb's traceback runs through its service and says nothing more.
             reason = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__

@@ -90,12 +90,19 @@ def test_a_checkpoint_continues_on_another_world_size_and_parallelism(saved, dat
     assert complete_steps(root)[-1] == 15
 
 
+# Sharded, with the knobs that hold state beside the model: the average of the weights is sharded as the
+# model is, a frozen stem and a head at its own rate in the optimizer's groups, and a step schedule.
+TUNED = {**CONFIG, "optim": {**CONFIG["optim"], "schedule": "step", "ema_decay": 0.9,
+                             "param_groups": [{"pattern": "head.*", "lr_mult": 5},
+                                              {"pattern": "features.0.*", "freeze": True}]}}
+
+
 def test_a_killed_fsdp_run_resumes_to_the_weights_of_an_uninterrupted_one(data_dir, forked_train, tmp_path):
     reference = tmp_path / "reference"
     forked_train(data_dir, reference, 2, "--max-steps", "30", "--checkpoint-mode", "dcp", *FSDP,
-                 config=CONFIG)
+                 config=TUNED)
     killed = tmp_path / "killed"
-    killed_and_resumed(data_dir, killed, 30, "--checkpoint-mode", "dcp", *FSDP, config=CONFIG)
+    killed_and_resumed(data_dir, killed, 30, "--checkpoint-mode", "dcp", *FSDP, config=TUNED)
     expected, actual = final_weights(reference), final_weights(killed)
     assert expected.keys() == actual.keys()
     assert all(torch.equal(expected[name], actual[name]) for name in expected)

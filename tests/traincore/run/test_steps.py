@@ -2,14 +2,12 @@
 
 from __future__ import annotations
 
-import math
-
 import pytest
 import torch
 from torch import nn
 
 from traincore.config.presets import debug
-from traincore.config.schema import Config, ConfigError, LoaderConfig, OptimConfig, TrainConfig
+from traincore.config.schema import Config, ConfigError, LoaderConfig, TrainConfig
 from traincore.run.cli import main
 from traincore.run.preflight import preflight
 from traincore.run.steps import (
@@ -17,18 +15,7 @@ from traincore.run.steps import (
     check_step_fits_epoch,
     total_steps,
     train_step,
-    warmup_cosine,
 )
-
-
-def test_warmup_then_cosine_to_the_floor():
-    cfg = Config(optim=OptimConfig(warmup_steps=4, min_lr_ratio=0.1))
-    factor = warmup_cosine(cfg, steps=20)
-    assert [factor(s) for s in range(4)] == [0.25, 0.5, 0.75, 1.0]
-    assert factor(4) == pytest.approx(1.0)
-    assert factor(12) == pytest.approx(0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * 0.5)))
-    assert factor(20) == pytest.approx(0.1)
-    assert all(factor(s) >= factor(s + 1) for s in range(4, 20))
 
 
 def test_total_steps_from_epochs_or_max_steps():

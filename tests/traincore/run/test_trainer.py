@@ -12,7 +12,7 @@ import torch
 from ranks import start_script, wait_exit, warm
 from trainruns import TINY, final_weights, killed_and_resumed, run_train, train_losses
 
-from traincore.checkpoint import complete_steps
+from traincore.checkpoint import complete_steps, open_saved, read_marker, step_dir
 from traincore.config.schema import ModelConfig
 from traincore.run.cli import main
 from traincore.run.preflight import check_model_input
@@ -54,15 +54,30 @@ def test_gc_paused_freezes_what_exists_and_restores_the_collector():
     assert gc.isenabled() and gc.get_freeze_count() == 0
 
 
-def test_killed_run_resumes_to_bitwise_identical_weights(data_dir, forked_train, tmp_path):
+# What people tune, each resumed exactly: a one-cycle schedule, an average of the weights (exported in place
+# of the live ones), the normalisation of pretrained weights, a head at 5x the rate and a frozen stem.
+KNOBS = {**TINY, "optim": {**TINY["optim"], "schedule": "onecycle", "ema_decay": 0.9,
+                           "param_groups": [{"pattern": "head.*", "lr_mult": 5},
+                                            {"pattern": "features.0.*", "freeze": True}]},
+         "data": {"mean": [0.4, 0.45, 0.5], "std": [0.25, 0.2, 0.3]}}
+
+
+@pytest.mark.parametrize("config", [TINY, KNOBS], ids=["defaults", "tuned knobs"])
+def test_killed_run_resumes_to_bitwise_identical_weights(data_dir, forked_train, tmp_path, config):
     ref = tmp_path / "reference"
-    forked_train(data_dir, ref, 2, "--max-steps", "40", "--checkpoint-every", "5")
+    forked_train(data_dir, ref, 2, "--max-steps", "40", "--checkpoint-every", "5", config=config)
     killed = tmp_path / "killed"
-    killed_and_resumed(data_dir, killed, 40, "--checkpoint-every", "5")
+    killed_and_resumed(data_dir, killed, 40, "--checkpoint-every", "5", config=config)
     expected, actual = final_weights(ref), final_weights(killed)
     assert expected.keys() == actual.keys()
     for name in expected:
         assert torch.equal(expected[name], actual[name]), name
+    if config is KNOBS:  # what was exported and compared is the average, which the checkpoints hold
+        last = step_dir(killed / "checkpoints", 40)
+        state = open_saved(last, read_marker(last)).shared
+        assert all(torch.equal(actual[name], state["ema"][name]) for name in actual)
+        assert not all(torch.equal(state["model"][name], state["ema"][name]) for name in actual)
+        assert state["run"]["mean"] == KNOBS["data"]["mean"]  # and the normalisation the run used
 
 
 @pytest.mark.parametrize("resume_nproc", [1, 3])

@@ -79,6 +79,16 @@ def test_wandb_offline_writes_a_run_and_never_the_key(tmp_path, monkeypatch, cap
         assert not path.is_file() or SECRET.encode() not in path.read_bytes(), path
 
 
+def test_wandb_run_takes_its_name_tags_and_entity_from_the_config(tmp_path):
+    log_train_and_eval(tmp_path, wandb_mode="offline", wandb_run_name="lr-sweep-7",
+                       wandb_entity="vision-team", wandb_tags=["digits", "baseline"])
+    (run,) = (tmp_path / "wandb").glob("offline-run-*/*.wandb")
+    written = run.read_bytes()  # the run's records, as W&B syncs them to its server later
+    assert all(word in written for word in (b"lr-sweep-7", b"vision-team", b"digits", b"baseline"))
+    with pytest.raises(ValueError, match="telemetry.wandb_tags=.* is invalid: expected a list of 1-64"):
+        TelemetryConfig(wandb_tags=["x" * 65])
+
+
 def test_wandb_key_file_must_be_readable(tmp_path, monkeypatch):
     monkeypatch.setenv("WANDB_API_KEY_FILE", str(tmp_path / "missing"))
     with pytest.raises(ValueError, match="WANDB_API_KEY_FILE=.*missing.* cannot be read"):
