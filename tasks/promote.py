@@ -9,6 +9,7 @@ differs and what to do.
 
 from __future__ import annotations
 
+import json
 from dataclasses import asdict
 
 import flytekit
@@ -136,6 +137,40 @@ def check_promotion(threshold: float, tolerance: float, champion: str | None, pr
     check_fraction("tolerance", tolerance)
     check_champion(champion, _is_local_run())
     check_promoted_uri(promoted_uri, _is_local_run())
+
+
+@task
+def warm_start_overrides(config_overrides: str, warm_start: bool, champion: str | None,
+                         promoted_uri: str) -> str:
+    """``config_overrides`` with model.init_from set to the model in service (the ``champion`` input, else
+    the registry's latest version) when ``warm_start``; unchanged without it, or when the registry has no
+    version yet (the first run trains from scratch and says so). Every tensor loads, the head with the rest:
+    the classes must be the champion's (a changed class list is refused with the tensor named)."""
+    if not warm_start:
+        return config_overrides
+    try:
+        overrides = json.loads(config_overrides) if config_overrides.strip() else {}
+    except json.JSONDecodeError as exc:
+        raise LaunchInputError(f"input config_overrides is not valid JSON ({exc})") from exc
+    if not isinstance(overrides, dict):
+        raise LaunchInputError("input config_overrides must be a JSON object")
+    nested = overrides.get("model") if isinstance(overrides.get("model"), dict) else {}
+    if overrides.get("model.init_from") or nested.get("init_from"):
+        raise LaunchInputError("input warm_start=True starts from the model in service, and input "
+                               "config_overrides sets model.init_from too: give one of them")
+    if champion:
+        weights = champion.rstrip("/")
+        weights = weights if weights.endswith(f"/{WEIGHTS_FILE}") else f"{weights}/{WEIGHTS_FILE}"
+    else:
+        registry = Registry(promoted_uri, filesystem(promoted_uri))
+        version = registry.latest()
+        if version is None:
+            print(f"warm_start: the registry {registry.uri} has no version yet: training from scratch",
+                  flush=True)
+            return config_overrides
+        weights = f"{registry.root}/{version}/{WEIGHTS_FILE}"
+    print(f"warm_start: model.init_from={weights}", flush=True)
+    return json.dumps({**overrides, "model.init_from": weights})
 
 
 def judge(report: EvalReport, champion: Champion | None, dataset: StagedDataset, threshold: float,

@@ -59,7 +59,7 @@ def test_a_growing_image_folder_is_restaged_retrained_and_promoted(image_folder_
     run = dict(source=f"imagefolder:{images}", preset="debug", config_overrides=json.dumps(OVERRIDES),
                threshold=THRESHOLD, tolerance=TOLERANCE, promoted_uri=registry.uri, nproc_per_node=1)
 
-    first = retrain_and_promote(**run)
+    first = retrain_and_promote(**run, warm_start=True)  # nothing in service yet: from scratch
     assert first.promoted and first.champion is None and first.champion_origin == ""
     assert registry.latest() == first.version and registry.versions() == [first.version]
     published = Registry(registry.uri).lineage(first.version)
@@ -79,9 +79,12 @@ def test_a_growing_image_folder_is_restaged_retrained_and_promoted(image_folder_
 
     forbid_staging(monkeypatch)
     latest = registry.latest()
-    third = retrain_and_promote(**run)  # unchanged images: the staging comes from the task cache
+    # Unchanged images: the staging comes from the task cache. Warm-started: the new model starts from the
+    # one in service, every tensor of it.
+    third = retrain_and_promote(**run, warm_start=True)
     assert third.challenger.lineage.source_fingerprint == second.challenger.lineage.source_fingerprint
     assert third.challenger.result.count == second.challenger.result.count
+    assert third.challenger.lineage.init_sha256 == registry.lineage(latest).model_sha256
     check_verdict(third, registry, latest)
     assert len(registry.versions()) == 1 + second.promoted + third.promoted
 
@@ -95,4 +98,8 @@ def test_bad_promotion_inputs_fail_before_anything_stages(tmp_path, monkeypatch)
     with pytest.raises(Exception, match=f"input champion='{tmp_path}/typo' holds no model.safetensors"):
         retrain_and_promote(source="synthetic", preset="debug", champion=f"{tmp_path}/typo",
                             promoted_uri=str(tmp_path))
+    with pytest.raises(Exception, match="input warm_start=True starts from the model in service, and input "
+                                        "config_overrides sets model.init_from too: give one of them"):
+        retrain_and_promote(source="synthetic", preset="debug", warm_start=True, promoted_uri=str(tmp_path),
+                            config_overrides='{"model": {"init_from": "/models/model.safetensors"}}')
     assert not any(tmp_path.iterdir())  # no registry was created
