@@ -3,6 +3,7 @@ single safetensors file (traincore.export proves it loads), with lineage.json be
 
 from __future__ import annotations
 
+import json
 from dataclasses import replace
 from pathlib import Path
 
@@ -22,13 +23,13 @@ def execution_id() -> str:
 
 
 @task(retries=2, requests=Resources(cpu="1", mem="4Gi"))
-def export_model(trained: TrainResult, dataset: StagedDataset) -> ModelArtifact:
+def export_model(trained: TrainResult, dataset: StagedDataset, search: str = "") -> ModelArtifact:
     """Best checkpoint (train.metric; else the latest) -> model.safetensors + config JSON + lineage.json,
-    verified before publishing; the lineage records the dataset, the run's metric summary and this
-    execution."""
+    verified before publishing; the lineage records the dataset, the run's metric summary, this execution
+    and, for a model a search chose, the search (``search``: JSON of its space, trial, parameters, rung)."""
     output = Path(flytekit.current_context().working_directory) / "model"
     lineage = replace(dataset_lineage(dataset), execution_id=execution_id(),
-                      metrics=metric_summary(trained.summary))
+                      metrics=metric_summary(trained.summary), search=json.loads(search) if search else {})
     # The checkpoint this workflow trained: its own config named the model's factory, if it has one.
     result = export(local_directory(trained.checkpoints), output / WEIGHTS_FILE, lineage, trust_model=True,
                     metric=trained.summary.metric)

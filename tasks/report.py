@@ -53,7 +53,8 @@ def _points(records: list[dict], kind: str, metric: str) -> list[tuple[int, floa
     return sorted((r["step"], r[metric]) for r in records if r.get("kind") == kind and metric in r)
 
 
-def _png(figure: Figure) -> bytes:
+def png_bytes(figure: Figure) -> bytes:
+    """``figure`` as PNG bytes."""
     buffer = io.BytesIO()
     # A figure with a layout engine already fits its labels; trimming it too ("tight") draws it twice, the
     # largest part of the evaluation Deck's time.
@@ -97,7 +98,7 @@ def curves_png(records: list[dict]) -> bytes | None:
         axis.set_title(title)
         axis.set_xlabel("step")
         axis.grid(alpha=0.3)
-    return _png(figure)
+    return png_bytes(figure)
 
 
 def validation_png(records: list[dict]) -> bytes | None:
@@ -128,7 +129,7 @@ def validation_png(records: list[dict]) -> bytes | None:
     for axis in (left, right):
         axis.set_xlabel("step")
         axis.grid(alpha=0.3)
-    return _png(figure)
+    return png_bytes(figure)
 
 
 def confusion_png(confusion: list[list[int]], classes: list[str]) -> bytes:
@@ -150,7 +151,7 @@ def confusion_png(confusion: list[list[int]], classes: list[str]) -> bytes:
             for predicted, count in enumerate(row):
                 axis.text(predicted, true, str(count), ha="center", va="center", fontsize=8,
                           color="white" if count > peak / 2 else "black")
-    return _png(figure)
+    return png_bytes(figure)
 
 
 def per_class_png(challenger: EvalResult, champion: EvalResult | None) -> bytes:
@@ -175,7 +176,7 @@ def per_class_png(challenger: EvalResult, champion: EvalResult | None) -> bytes:
         axis.grid(axis="y", alpha=0.3)
         axis.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.0, 1.0))  # beside the bars, not on them
     axes[1].set_xticks(positions, challenger.classes, rotation=90 if len(challenger.classes) > 10 else 0)
-    return _png(figure)
+    return png_bytes(figure)
 
 
 def figure_html(title: str, png: bytes) -> str:

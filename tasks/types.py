@@ -96,6 +96,55 @@ class TrainResult:
     summary: TrainSummary
 
 
+@dataclass
+class Search:
+    """A hyperparameter search as planned (traincore.tuning): its root (the study record and one checkpoint
+    root per trial), every trial's parameters (JSON), each rung's step budget and size."""
+
+    root: str
+    key: str  # the search's spec digest: the same search, the same key
+    metric: str
+    budgets: list[int]
+    sizes: list[int]
+    params: list[str]
+    parallel: int
+    space: str
+    recorded: list[dict[str, float]]  # each rung's results the record held when the search (re)started
+
+    def known(self, rung: int) -> dict[int, float]:
+        """The results of rung ``rung`` an earlier run of this search recorded, by trial; only for rungs
+        before the last, whose trials' runs the search does not need again (the last one's best is
+        exported, so its runs always take place, resuming where they are)."""
+        if rung >= min(len(self.recorded), len(self.budgets) - 1):
+            return {}
+        return {int(trial): value for trial, value in self.recorded[rung].items()}
+
+    def trial_root(self, trial: int) -> str:
+        """The checkpoint root of trial ``trial``: each rung of it resumes from the one before."""
+        return f"{self.root.rstrip('/')}/trial-{trial:03d}"
+
+
+@dataclass
+class RungResult:
+    """One rung of a search: the trials it trained, each one's metric (its best validation up to the rung's
+    budget), and the step it resumed from (0: from the start)."""
+
+    rung: int
+    budget: int
+    trials: list[int]
+    values: list[float]
+    resumed_from: list[int]
+
+
+@dataclass
+class SearchOutcome:
+    """What the rungs found: the best trial of the last rung, its training run, and every rung."""
+
+    best_trial: int
+    best: TrainResult
+    rungs: list[RungResult]
+
+
 def dataset_lineage(dataset: StagedDataset) -> Lineage:
     """What a staged dataset contributes to the lineage of the models trained on it."""
     return Lineage(source=dataset.source, source_fingerprint=dataset.source_fingerprint,

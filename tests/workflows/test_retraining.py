@@ -65,7 +65,7 @@ def test_a_growing_image_folder_is_restaged_retrained_and_promoted(image_folder_
     published = Registry(registry.uri).lineage(first.version)
     assert published == first.challenger.lineage  # what was decided on is what was published
     assert [spec.name for spec in fields(Lineage) if getattr(published, spec.name) in ("", 0, {}, None)] == [
-        "init_sha256"]  # trained from scratch: no model.init_from
+        "init_sha256", "search"]  # trained from scratch (no model.init_from), by no search
     assert published.source_fingerprint == first.model.export.lineage.source_fingerprint
     assert published.test_accuracy == first.challenger.result.accuracy
     assert (tmp_path / "registry" / first.version / "model.safetensors").is_file()

@@ -48,6 +48,7 @@ class Lineage:
     init_sha256: str = ""  # of the model.init_from file the weights started from; empty: random init
     test_accuracy: float | None = None  # on the test split of the data above, when the model was evaluated
     test_count: int = 0  # samples in that test split
+    search: dict = field(default_factory=dict)  # the search that chose it: space, trial, parameters, rung
 
     def to_json(self) -> str:
         """The lineage.json text (keys sorted, so equal records give equal files)."""

@@ -312,10 +312,11 @@ class Checkpointer:
                 dist.destroy_process_group(self._group)
                 self._group = None
 
-    def load(self, step: int | None = None) -> int | None:
-        """Restore the registry from ``step`` (default: the latest complete one); None if none exists."""
+    def load(self, step: int | None = None, at_most: int | None = None) -> int | None:
+        """Restore the registry from ``step`` (default: the latest complete one, up to ``at_most`` when
+        given); None if none exists."""
         self.wait()
-        chosen, error = self._broadcast(self._choose(step) if self.rank == 0 else None)
+        chosen, error = self._broadcast(self._choose(step, at_most) if self.rank == 0 else None)
         if error:
             raise CheckpointError(error)
         if chosen is None:
@@ -338,10 +339,10 @@ class Checkpointer:
         self.committed = chosen
         return saved.step
 
-    def _choose(self, step: int | None) -> tuple[int | None, str | None]:
+    def _choose(self, step: int | None, at_most: int | None) -> tuple[int | None, str | None]:
         """Rank 0: the step to load (None: nothing to resume), or the error every rank raises."""
         try:
-            return choose_step(self.root, step, self.cfg.verify_on_load), None
+            return choose_step(self.root, step, self.cfg.verify_on_load, at_most), None
         except (CheckpointError, OSError) as exc:  # raised on every rank, so no rank waits forever
             return None, str(exc)
 

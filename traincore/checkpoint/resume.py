@@ -24,18 +24,19 @@ FRESH = "or start fresh with --resume none / checkpoint.resume='none' or another
 log = logging.getLogger(__name__)
 
 
-def choose_step(root: Store, step: int | None, verify: bool) -> int | None:
-    """The step a resume loads from ``root``: ``step`` if given, else the newest complete one (None: there
-    is none). ``verify``: check every file's size and CRC32 against the marker first; a corrupt newest step
-    is named in a warning and the previous complete one is tried, while a corrupt ``step`` asked for by
-    number is an error. CheckpointError names what is wrong and the fix.
+def choose_step(root: Store, step: int | None, verify: bool, at_most: int | None = None) -> int | None:
+    """The step a resume loads from ``root``: ``step`` if given, else the newest complete one, of those up
+    to ``at_most`` when given (a run that stops there: train.stop_after) (None: there is none). ``verify``:
+    check every file's size and CRC32 against the marker first; a corrupt newest step is named in a warning
+    and the previous complete one is tried, while a corrupt ``step`` asked for by number is an error.
+    CheckpointError names what is wrong and the fix.
 
     Warns, without failing, about entries of the root that are not ours and about saves newer than the
     chosen step that never committed."""
     for entry in foreign_entries(root):
         log.warning("ignoring %s: it is not a checkpoint of traincore (another program's file or directory; "
                     "never deleted): move it out of %s to silence this warning", entry, root)
-    complete = complete_steps(root)
+    complete = [s for s in complete_steps(root) if at_most is None or s <= at_most]
     if step is not None:
         then = f"resuming from step {step}, as asked"
     elif complete:

@@ -423,6 +423,10 @@ class TrainConfig:
     """Full passes over the training split; used only when max_steps is 0."""
     seed: int = 0
     """Seed of the initial weights (the same on every rank) and of the per-epoch data order."""
+    stop_after: int = 0
+    """Stop after this step, validated and saved as a last step is, with everything else (the schedule's
+    horizon, the epochs) as for the whole run: a rung of a hyperparameter search, which a later run with a
+    larger stop_after (or 0, to the end) continues exactly. 0 = train to the end."""
     eval_every: int = 0
     """Steps between validation passes on the val split; 0 = validate only at the end. Each validated step
     is also saved, its checkpoint recording the metrics, so export can pick the best one
@@ -456,7 +460,8 @@ class TrainConfig:
         _check_types(self, "train")
         _check(0 <= self.label_smoothing < 1, "train.label_smoothing", self.label_smoothing,
                "must be in [0, 1)")
-        _ints(self, "train", max_steps=0, epochs=0, seed=0, eval_every=0, gc_every=1, grad_accum_steps=1)
+        _ints(self, "train", max_steps=0, epochs=0, seed=0, eval_every=0, gc_every=1, grad_accum_steps=1,
+              stop_after=0)
         _at_most(self, "train", seed=MAX_SEED)
         _one_of("train.metric", self.metric, VALIDATION_METRICS)
         self._check_early_stopping()

@@ -226,7 +226,8 @@ def check_resume(cfg: Config, manifest: Manifest, root: Store, data_dir: str | P
     wanted = cfg.checkpoint.resume
     if wanted == "none":
         return None
-    step = choose_step(root, None if wanted == "latest" else int(wanted), cfg.checkpoint.verify_on_load)
+    step = choose_step(root, None if wanted == "latest" else int(wanted), cfg.checkpoint.verify_on_load,
+                       cfg.train.stop_after or None)
     if step is None:
         return None
     directory = step_store(root, step)

@@ -149,6 +149,8 @@ class Trainer:
             clear_record(self.checkpoint_root)
         self.loader, self.val_split = training_loader(cfg, self.data_dir, ctx)
         self.total_steps = total_steps(cfg, self.loader.steps_per_epoch)
+        # Where this run stops: the last step, or train.stop_after's (a rung of a search, continued later).
+        self.end_step = min(self.total_steps, cfg.train.stop_after or self.total_steps)
         # Samples per optimizer step, across ranks and accumulated batches.
         self.step_batch_size = self.loader.global_batch_size * cfg.train.grad_accum_steps
         self.startup.mark("loader")
@@ -226,7 +228,7 @@ class Trainer:
         # weights are untouched.
         if self.ctx.is_main and peak_flops(self.ctx.device, dtype):
             flops = training_flops_per_sample(model, self.manifest.shape)
-        return Workload(total_steps=self.total_steps, global_batch_size=self.step_batch_size,
+        return Workload(total_steps=self.end_step, global_batch_size=self.step_batch_size,
                         flops_per_sample=flops, dtype=dtype)
 
     def _warm_start(self, resumed: int | None) -> None:
@@ -287,7 +289,10 @@ class Trainer:
         wanted = self.cfg.checkpoint.resume
         resumed = None
         if wanted != "none":
-            resumed = self.checkpointer.load(None if wanted == "latest" else int(wanted))
+            # A run that stops early (a rung of a search) resumes from a step it reaches, even where a later
+            # rung already went further: a rerun of the rung measures the same step.
+            at_most = self.end_step if self.cfg.train.stop_after else None
+            resumed = self.checkpointer.load(None if wanted == "latest" else int(wanted), at_most)
         self._warm_start(resumed)
         self.telemetry.resumed_at(resumed or 0)
         accum = self.cfg.train.grad_accum_steps
@@ -305,7 +310,7 @@ class Trainer:
         batches = endless(self.loader)
         self.model.train()
         first_step = progress.step + 1
-        while progress.step < self.total_steps:
+        while progress.step < self.end_step:
             with self.telemetry.data_wait():
                 micro_batches = [next(batches) for _ in range(cfg.train.grad_accum_steps)]
             self.profiler.on_step(progress.step)
@@ -314,7 +319,7 @@ class Trainer:
             if self.ema is not None:
                 self.ema.update()
             progress.step += 1
-            step, last = progress.step, progress.step == self.total_steps
+            step, last = progress.step, progress.step == self.end_step
             self.telemetry.step_done(step, loss, self.scheduler.get_last_lr()[0])
             if step == first_step:
                 tighten_timeout(cfg.dist)  # start-up is over: a hung peer should now fail fast

@@ -56,7 +56,7 @@ def test_export_writes_a_complete_lineage_beside_the_weights(exported):
     assert lineage.code_version == code_version()
     assert lineage.test_accuracy is None  # not evaluated yet
     empty = [spec.name for spec in fields(Lineage) if getattr(lineage, spec.name) in ("", 0, {}, None)]
-    assert empty == ["init_sha256", "test_accuracy", "test_count"]  # trained from scratch, not yet tested
+    assert empty == ["init_sha256", "test_accuracy", "test_count", "search"]  # from scratch, untested
 
 
 def test_json_round_trip_and_what_a_newer_writer_may_add(exported):

@@ -1,0 +1,165 @@
+"""The tasks of a hyperparameter search (traincore.tuning): plan it, record each rung, pick who goes on,
+name the best, and report: ``steps spent: N of M``, the best model's ``test accuracy``, and a Deck.
+
+Every check of the search's inputs runs in :func:`plan_search`, before any trial starts.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import flytekit
+from flytekit import task
+from flytekit.core.context_manager import FlyteContextManager
+from flytekit.deck import DeckField
+
+from tasks.plan import LaunchInputError, check_protocol
+from tasks.search_deck import search_deck_html
+from tasks.storage import is_uri
+from tasks.types import EvalReport, RungResult, Search, SearchOutcome, TrainResult
+from traincore.config import VALIDATION_METRICS, Config
+from traincore.tuning import (
+    SearchSpaceError,
+    StudyRecord,
+    load_or_create,
+    parse_space,
+    rung_budgets,
+    rung_sizes,
+    steps_spent,
+    survivors,
+)
+from traincore.tuning.study import spec_key
+
+LOCAL_SEARCHES = Path("~/.cache/flyte-torch-pipeline/searches")
+"""Where a local search without checkpoint_uri keeps its root, by its spec: the same command finds it."""
+
+
+def check_search_inputs(config: Config, trials: int, parallel: int, rungs: int, reduction: int,
+                        metric: str) -> tuple[list[int], list[int]]:
+    """The rung budgets and sizes; LaunchInputError naming the input and the fix for anything a search
+    cannot run with."""
+    if metric not in VALIDATION_METRICS:
+        raise LaunchInputError(f"input metric={metric!r} is not one of {', '.join(VALIDATION_METRICS)}")
+    if trials < 1:
+        raise LaunchInputError(f"input trials={trials}: a search needs at least one trial")
+    if not 1 <= parallel <= trials:
+        raise LaunchInputError(f"input parallel={parallel}: at most that many trials train at a time, so it "
+                               f"must be between 1 and trials={trials}")
+    if config.train.max_steps < 1:
+        raise LaunchInputError("a search needs the length of its last rung in steps: give the input "
+                               "max_steps (or train.max_steps in config_overrides), e.g. --max_steps 400")
+    try:
+        budgets = rung_budgets(config.train.max_steps, rungs, reduction)
+    except ValueError as exc:
+        raise LaunchInputError(f"inputs rungs, reduction and max_steps: {exc}") from exc
+    return budgets, rung_sizes(trials, rungs, reduction)
+
+
+def _search_root(checkpoint_uri: str, key: str) -> str:
+    local = FlyteContextManager.current_context().execution_state.is_local_execution()
+    if checkpoint_uri:
+        if is_uri(checkpoint_uri):
+            check_protocol(checkpoint_uri, f"input checkpoint_uri={checkpoint_uri!r}")
+        return checkpoint_uri.rstrip("/")
+    if local:
+        return str(LOCAL_SEARCHES.expanduser() / key)
+    return f"{flytekit.current_context().raw_output_prefix.rstrip('/')}/searches/{key}"
+
+
+@task
+def plan_search(config: Config, search_space: str, trials: int, parallel: int, rungs: int, reduction: int,
+                metric: str, checkpoint_uri: str) -> Search:
+    """Check the search's inputs, then find its record (a rerun of the same search) or draw its trials."""
+    budgets, sizes = check_search_inputs(config, trials, parallel, rungs, reduction, metric)
+    base = config.with_overrides({"train.metric": metric})
+    try:
+        space = parse_space(search_space, base)
+    except SearchSpaceError as exc:
+        raise LaunchInputError(f"input {exc}") from exc
+    spec = {"config": base.to_dict(), "space": space, "trials": trials, "rungs": rungs,
+            "reduction": reduction, "metric": metric, "budgets": budgets}
+    root = _search_root(checkpoint_uri, spec_key(spec))
+    record = load_or_create(root, spec, space, trials, seed=base.train.seed)
+    print(f"plan_search: {trials} trials over {', '.join(space)}; rungs to steps {budgets} for "
+          f"{' -> '.join(map(str, sizes))} trials ({steps_spent(budgets, sizes)} of "
+          f"{trials * budgets[-1]} steps); record and trial roots in {root}", flush=True)
+    return Search(root=root, key=record.key, metric=metric, budgets=budgets, sizes=sizes,
+                  params=[json.dumps(params) for params in record.params], parallel=parallel,
+                  space=json.dumps(space), recorded=record.results)
+
+
+def _record(search: Search) -> StudyRecord:
+    from traincore.checkpoint import as_store
+    from traincore.tuning.study import RECORD_FILE
+
+    return StudyRecord(**json.loads(as_store(search.root).read_bytes(RECORD_FILE)))
+
+
+@task
+def rung_record(search: Search, rung: int, trials: list[int], results: list[TrainResult]) -> RungResult:
+    """Each trial's metric at this rung (its best validation up to the budget), told to the study record:
+    from ``results`` (those of the trials that trained, in order), or for the rest, as an earlier run of
+    the search recorded it (:meth:`Search.known`)."""
+    known, budget = search.known(rung), search.budgets[rung]
+    trained = dict(zip([trial for trial in trials if trial not in known], results, strict=True))
+    if any(result.summary.best_value is None for result in trained.values()):
+        raise ValueError(f"rung {rung}: a trial reports no {search.metric}: every trial validates at its "
+                         "rung's last step, so its summary must have one")
+    values = [known[t] if t in known else trained[t].summary.best_value for t in trials]
+    resumed = [budget if t in known else trained[t].summary.resumed_from or 0 for t in trials]
+    record = _record(search)
+    record.tell(rung, dict(zip(trials, values, strict=True)))
+    record.save(search.root)
+    for trial, value, start in zip(trials, values, resumed, strict=True):
+        began = (f"recorded by an earlier run at step {budget}" if trial in known
+                 else f"resumed from step {start} to step {budget}" if start else f"from step 0 to {budget}")
+        print(f"rung {rung + 1}/{len(search.budgets)}: trial {trial} {began}: {search.metric} {value:.4f}  "
+              f"{search.params[trial]}", flush=True)
+    return RungResult(rung=rung, budget=budget, trials=trials, values=values, resumed_from=resumed)
+
+
+@task
+def rung_survivors(search: Search, result: RungResult) -> list[int]:
+    """The trials that go on to the next rung: the best 1/reduction of this one's."""
+    keep = search.sizes[result.rung + 1]
+    chosen = survivors(dict(zip(result.trials, result.values, strict=True)), keep, search.metric)
+    stopped = sorted(set(result.trials) - set(chosen))
+    print(f"rung {result.rung + 1}: trials {', '.join(map(str, chosen))} go on to step "
+          f"{search.budgets[result.rung + 1]}; {', '.join(map(str, stopped)) or 'none'} stop", flush=True)
+    return chosen
+
+
+@task
+def finish_search(search: Search, rungs: list[RungResult], trained: list[TrainResult]) -> SearchOutcome:
+    """The best trial of the last rung, and its run (exported next)."""
+    last = rungs[-1]
+    best = survivors(dict(zip(last.trials, last.values, strict=True)), 1, search.metric)[0]
+    return SearchOutcome(best_trial=best, best=trained[last.trials.index(best)], rungs=rungs)
+
+
+def search_lineage(search: Search, outcome: SearchOutcome) -> dict:
+    """What the exported model's lineage records of the search that chose it."""
+    return {"key": search.key, "root": search.root, "space": json.loads(search.space),
+            "trial": outcome.best_trial, "parameters": json.loads(search.params[outcome.best_trial]),
+            "rung": len(outcome.rungs) - 1, "metric": search.metric}
+
+
+@task
+def search_lineage_json(search: Search, outcome: SearchOutcome) -> str:
+    """:func:`search_lineage` as the export task takes it."""
+    return json.dumps(search_lineage(search, outcome))
+
+
+# Input and output only: the default Dependencies field runs `pip freeze` on every execution (seconds).
+@task(enable_deck=True, deck_fields=(DeckField.INPUT, DeckField.OUTPUT))
+def search_report(search: Search, outcome: SearchOutcome, report: EvalReport) -> str:
+    """The search's last words (steps spent, the best model's test accuracy) and its Deck."""
+    spent = steps_spent(search.budgets, search.sizes)
+    total = search.sizes[0] * search.budgets[-1]
+    params = search.params[outcome.best_trial]
+    lines = (f"steps spent: {spent} of {total} ({spent / total:.0%} of training every trial to the end)\n"
+             f"best trial: {outcome.best_trial} {params}\ntest accuracy: {report.result.accuracy:.3f}")
+    print(lines, flush=True)
+    flytekit.Deck("Search", search_deck_html(search, outcome, report, _record(search)))
+    return lines
