@@ -18,6 +18,7 @@ from tasks.plan import LaunchInputError, check_protocol
 from tasks.search_deck import search_deck_html
 from tasks.storage import is_uri
 from tasks.types import EvalReport, RungResult, Search, SearchOutcome, TrainResult
+from traincore.checkpoint import as_store
 from traincore.config import VALIDATION_METRICS, Config
 from traincore.tuning import (
     SearchSpaceError,
@@ -29,7 +30,7 @@ from traincore.tuning import (
     steps_spent,
     survivors,
 )
-from traincore.tuning.study import spec_key
+from traincore.tuning.study import RECORD_FILE, spec_key
 
 LOCAL_SEARCHES = Path("~/.cache/flyte-torch-pipeline/searches")
 """Where a local search without checkpoint_uri keeps its root, by its spec: the same command finds it."""
@@ -90,9 +91,7 @@ def plan_search(config: Config, search_space: str, trials: int, parallel: int, r
 
 
 def _record(search: Search) -> StudyRecord:
-    from traincore.checkpoint import as_store
-    from traincore.tuning.study import RECORD_FILE
-
+    """The study record as the search's root holds it now."""
     return StudyRecord(**json.loads(as_store(search.root).read_bytes(RECORD_FILE)))
 
 

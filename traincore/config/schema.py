@@ -423,6 +423,10 @@ class TrainConfig:
     """Full passes over the training split; used only when max_steps is 0."""
     seed: int = 0
     """Seed of the initial weights (the same on every rank) and of the per-epoch data order."""
+    overfit: int = 0
+    """Train on the first N samples of the training split only, and validate on those same N: the first
+    check of a new model or dataset (a model that cannot fit a few hundred samples to ~100% has a bug: a
+    label mapping, a frozen layer, a learning rate that cannot learn). 0 = the whole split."""
     stop_after: int = 0
     """Stop after this step, validated and saved as a last step is, with everything else (the schedule's
     horizon, the epochs) as for the whole run: a rung of a hyperparameter search, which a later run with a
@@ -461,7 +465,7 @@ class TrainConfig:
         _check(0 <= self.label_smoothing < 1, "train.label_smoothing", self.label_smoothing,
                "must be in [0, 1)")
         _ints(self, "train", max_steps=0, epochs=0, seed=0, eval_every=0, gc_every=1, grad_accum_steps=1,
-              stop_after=0)
+              stop_after=0, overfit=0)
         _at_most(self, "train", seed=MAX_SEED)
         _one_of("train.metric", self.metric, VALIDATION_METRICS)
         self._check_early_stopping()

@@ -16,6 +16,7 @@ normalised float32 on the training device. On CUDA a side-stream prefetcher over
 
 from __future__ import annotations
 
+import copy
 import itertools
 import logging
 import weakref
@@ -67,6 +68,13 @@ class StagedSplit:
 
     def __len__(self) -> int:
         return int(self._offsets[-1])
+
+    def first(self, count: int) -> StagedSplit:
+        """Its first ``count`` samples as a split of their own (train.overfit), sharing the mapped shards."""
+        subset = copy.copy(self)
+        subset._offsets = np.minimum(self._offsets, count)
+        subset.labels = self.labels[:count]
+        return subset
 
     def read(self, indices: np.ndarray, pin_memory: bool = False) -> Batch:
         """Gather samples by global index (sorted for locality): uint8 NCHW images and int64 labels."""

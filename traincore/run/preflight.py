@@ -60,9 +60,12 @@ def preflight(cfg: Config, data_dir: str | Path, output_dir: str | Path | None =
     """
     manifest = verify_staging(data_dir, Manifest.load(data_dir), ("train", "val"))
     train_count = manifest.splits["train"].count
+    if cfg.train.overfit:
+        train_count = min(train_count, cfg.train.overfit)
     if cfg.loader.drop_last and train_count < cfg.loader.batch_size:
+        subset = f" (train.overfit={cfg.train.overfit})" if cfg.train.overfit else ""
         raise ValueError(f"loader.batch_size={cfg.loader.batch_size} exceeds the {train_count} training "
-                         f"samples in {data_dir}: lower loader.batch_size")
+                         f"samples in {data_dir}{subset}: lower loader.batch_size")
     # train.grad_accum_steps within one epoch, for the world the launcher starts (``world_size``: every
     # node's processes; None in a worker, which knows its own from torchrun's WORLD_SIZE)
     check_step_fits_epoch(cfg, train_count, str(data_dir), world_size)

@@ -411,6 +411,8 @@ def training_loader(cfg: Config, data_dir: Path, ctx: DistContext) -> tuple[Stag
     normalization = (cfg.data.mean, cfg.data.std) if cfg.data.mean else None
     train_split, val_split = (StagedSplit(data_dir, split, normalization=normalization)
                               for split in ("train", "val"))
+    if cfg.train.overfit:  # fit a few samples, and measure the fit on those same samples
+        train_split = val_split = train_split.first(cfg.train.overfit)
     loader_cfg = cfg.loader
     if loader_cfg.autotune:
         loader_cfg = autotune(train_split, loader_cfg, rank=ctx.rank, world_size=ctx.world_size,

@@ -80,11 +80,16 @@ def test_wandb_offline_writes_a_run_and_never_the_key(tmp_path, monkeypatch, cap
 
 
 def test_wandb_run_takes_its_name_tags_and_entity_from_the_config(tmp_path):
-    log_train_and_eval(tmp_path, wandb_mode="offline", wandb_run_name="lr-sweep-7",
-                       wandb_entity="vision-team", wandb_tags=["digits", "baseline"])
-    (run,) = (tmp_path / "wandb").glob("offline-run-*/*.wandb")
-    written = run.read_bytes()  # the run's records, as W&B syncs them to its server later
-    assert all(word in written for word in (b"lr-sweep-7", b"vision-team", b"digits", b"baseline"))
+    cfg = TelemetryConfig(tensorboard=False, wandb_mode="offline", wandb_run_name="lr-sweep-7",
+                          wandb_entity="vision-team", wandb_tags=["digits", "baseline"])
+    (sink,) = [sink for sink in build_sinks(cfg, tmp_path, run_config={}) if isinstance(sink, WandbSink)]
+    try:
+        sink.log(1, {"loss": 1.0})
+        run = sink._run  # the wandb Run our sink started: what W&B was given
+        assert (run.name, tuple(run.tags)) == ("lr-sweep-7", ("digits", "baseline"))
+        assert run.entity == "vision-team"
+    finally:
+        sink.close()
     with pytest.raises(ValueError, match="telemetry.wandb_tags=.* is invalid: expected a list of 1-64"):
         TelemetryConfig(wandb_tags=["x" * 65])
 
