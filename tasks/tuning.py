@@ -17,7 +17,7 @@ from flytekit.deck import DeckField
 from tasks.plan import LaunchInputError, check_protocol
 from tasks.search_deck import search_deck_html
 from tasks.storage import is_uri
-from tasks.types import EvalReport, RungResult, Search, SearchOutcome, TrainResult
+from tasks.types import EvalReport, RungResult, Search, SearchFinish, SearchOutcome, TrainResult
 from traincore.checkpoint import as_store
 from traincore.config import VALIDATION_METRICS, Config
 from traincore.tuning import (
@@ -130,11 +130,12 @@ def rung_survivors(search: Search, result: RungResult) -> list[int]:
 
 
 @task
-def finish_search(search: Search, rungs: list[RungResult], trained: list[TrainResult]) -> SearchOutcome:
+def finish_search(search: Search, rungs: list[RungResult], trained: list[TrainResult]) -> SearchFinish:
     """The best trial of the last rung, and its run (exported next)."""
     last = rungs[-1]
     best = survivors(dict(zip(last.trials, last.values, strict=True)), 1, search.metric)[0]
-    return SearchOutcome(best_trial=best, best=trained[last.trials.index(best)], rungs=rungs)
+    return SearchFinish(outcome=SearchOutcome(best_trial=best, rungs=rungs),
+                        best=trained[last.trials.index(best)])
 
 
 def search_lineage(search: Search, outcome: SearchOutcome) -> dict:

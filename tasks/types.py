@@ -14,6 +14,7 @@ from __future__ import annotations
 import functools
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import NamedTuple
 
 from flytekit.core.type_engine import DataclassTransformer, TypeEngine
 from flytekit.models.types import LiteralType
@@ -138,11 +139,18 @@ class RungResult:
 
 @dataclass
 class SearchOutcome:
-    """What the rungs found: the best trial of the last rung, its training run, and every rung."""
+    """What the rungs found: the best trial of the last rung, and every rung."""
 
     best_trial: int
-    best: TrainResult
     rungs: list[RungResult]
+
+
+class SearchFinish(NamedTuple):
+    """The rungs' result: the outcome, and the best trial's training run (exported next). Two outputs, not
+    one dataclass holding both: a node reads a whole output, never a field of one."""
+
+    outcome: SearchOutcome
+    best: TrainResult
 
 
 def dataset_lineage(dataset: StagedDataset) -> Lineage:

@@ -31,7 +31,17 @@ from tasks.tuning import (
     search_lineage_json,
     search_report,
 )
-from tasks.types import EvalReport, ModelArtifact, RungResult, Search, SearchOutcome, StagedDataset, Topology
+from tasks.types import (
+    EvalReport,
+    ModelArtifact,
+    RungResult,
+    Search,
+    SearchFinish,
+    SearchOutcome,
+    StagedDataset,
+    Topology,
+    TrainResult,
+)
 from traincore.config import Config
 from traincore.tuning import trial_config
 from workflows.pipeline import train_on_backend
@@ -39,7 +49,7 @@ from workflows.pipeline import train_on_backend
 
 @dynamic
 def run_rung(search: Search, config: Config, rung: int, trials: list[int], dataset: StagedDataset,
-             topology: Topology, capacity: str, done: list[RungResult]) -> SearchOutcome:
+             topology: Topology, capacity: str, done: list[RungResult]) -> SearchFinish:
     """Train ``trials`` (rung 0: every trial) to this rung's budget, each from its own last checkpoint,
     at most ``search.parallel`` at a time (but those whose result at this rung an earlier run recorded);
     then the next rung with the survivors, or the outcome."""
@@ -66,6 +76,7 @@ class TuningOutputs(NamedTuple):
     model: ModelArtifact
     report: EvalReport
     search: SearchOutcome
+    best: TrainResult
     summary: str
 
 
@@ -138,7 +149,8 @@ def tune_pipeline(
     Returns:
         model: The best trial's exported model; its lineage names the search, the trial, its parameters.
         report: Its test-split evaluation.
-        search: Every rung's trials and metrics, and the best trial's training run.
+        search: Every rung's trials and metrics, and the best trial.
+        best: The best trial's training run (its checkpoints, records and summary).
         summary: "steps spent: N of M", the best trial and its "test accuracy".
     """
     plan = plan_run(source=source, preset=preset, config_overrides=config_overrides, epochs=epochs,
@@ -152,10 +164,10 @@ def tune_pipeline(
                          rungs=rungs, reduction=reduction, metric=metric, checkpoint_uri=checkpoint_uri)
     dataset = stage_dataset(data=plan.data, source_fingerprint=plan.source_fingerprint)
     search >> dataset  # a bad search fails before anything stages
-    outcome = run_rung(search=search, config=plan.config, rung=0, trials=[], dataset=dataset,
-                       topology=plan.topology, capacity=capacity, done=[])
-    model = export_model(trained=outcome.best, dataset=dataset,
-                         search=search_lineage_json(search=search, outcome=outcome))
-    report = evaluate_model(model=model, dataset=dataset, trained=outcome.best)
+    outcome, best = run_rung(search=search, config=plan.config, rung=0, trials=[], dataset=dataset,
+                             topology=plan.topology, capacity=capacity, done=[])
+    lineage = search_lineage_json(search=search, outcome=outcome)
+    model = export_model(trained=best, dataset=dataset, search=lineage)
+    report = evaluate_model(model=model, dataset=dataset, trained=best)
     summary = search_report(search=search, outcome=outcome, report=report)
-    return TuningOutputs(model=model, report=report, search=outcome, summary=summary)
+    return TuningOutputs(model=model, report=report, search=outcome, best=best, summary=summary)

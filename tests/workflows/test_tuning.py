@@ -74,7 +74,7 @@ def test_a_search_spends_half_the_steps_resumes_its_promoted_trials_and_exports_
     lineage = out.model.export.lineage.search
     assert (lineage["trial"], lineage["parameters"], lineage["rung"]) == (out.search.best_trial, params, 2)
     assert lineage["space"]["optim.lr"] == {"low": 1e-3, "high": 2e-2, "log": True, "int": False}
-    trained = out.search.best.summary
+    trained = out.best.summary
     assert out.model.export.step == trained.best_step and trained.metric == "val_accuracy"
 
 
