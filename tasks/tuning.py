@@ -21,16 +21,17 @@ from tasks.types import EvalReport, RungResult, Search, SearchFinish, SearchOutc
 from traincore.checkpoint import as_store
 from traincore.config import VALIDATION_METRICS, Config
 from traincore.tuning import (
+    RECORD_FILE,
     SearchSpaceError,
     StudyRecord,
     load_or_create,
     parse_space,
     rung_budgets,
     rung_sizes,
+    spec_key,
     steps_spent,
     survivors,
 )
-from traincore.tuning.study import RECORD_FILE, spec_key
 
 LOCAL_SEARCHES = Path("~/.cache/flyte-torch-pipeline/searches")
 """Where a local search without checkpoint_uri keeps its root, by its spec: the same command finds it."""

@@ -146,12 +146,12 @@ def arm(point):
         prune, fsync = checkpoint.prune, checkpoint_store.fsync_path
         pruning = []
 
-        def killing_prune(root, keep_last):
+        def killing_prune(root, keep_last, keep_best=None):
             if complete_steps(root)[-1:] == [args.kill_step]:
                 if point == "prune-start":
                     die(root)
                 pruning.append(True)
-            prune(root, keep_last)
+            prune(root, keep_last, keep_best)
 
         def killing_fsync(path):
             # remove_step fsyncs the step directory once its marker is gone, before deleting any file
@@ -167,11 +167,11 @@ def log_before_save(step):
     """Log what is complete when the save of ``step`` begins, once the previous (async) one committed."""
     save = Checkpointer.save
 
-    def logging_save(self, saving):
+    def logging_save(self, saving, metrics=None):
         if saving == step:
             self.wait()
             log("saving", step=step, complete=complete_steps(args.root))
-        save(self, saving)
+        save(self, saving, metrics)
     Checkpointer.save = logging_save
 
 

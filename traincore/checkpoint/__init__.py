@@ -35,11 +35,19 @@ from traincore.checkpoint.layout import (
     step_store,
 )
 from traincore.checkpoint.resume import RunFit, check_fit, choose_step
-from traincore.checkpoint.selection import SELECTIONS, best_step, improves, select_step, step_metrics
+from traincore.checkpoint.selection import (
+    HIGHER_IS_BETTER,
+    SELECTIONS,
+    best_step,
+    improves,
+    select_step,
+    step_metrics,
+)
 from traincore.checkpoint.store import Store, as_store, is_uri
 
 __all__ = [
     "as_store", "best_step", "check_fit", "Checkpointer", "CheckpointError", "CheckpointWriteError",
+    "HIGHER_IS_BETTER",
     "choose_step", "complete_steps", "CorruptCheckpointError", "FORMAT_VERSION", "improves", "is_uri",
     "latest_complete", "MARKER", "open_saved", "parse_step_name", "read_checkpoint", "read_marker",
     "RunFit", "SaveStats", "select_step", "SELECTIONS", "step_dir", "step_metrics", "step_store", "Store",

@@ -28,7 +28,7 @@ from typing import Any
 from traincore.checkpoint.errors import CheckpointError, CheckpointWriteError, CorruptCheckpointError, writing
 from traincore.checkpoint.layout import EXTRA_FILE, MARKER, OWN_FILES, STATE_FILE, tmp_path
 from traincore.checkpoint.store import Store, as_store
-from traincore.config.schema import VALIDATION_METRICS
+from traincore.config import VALIDATION_METRICS
 from traincore.files import publish
 
 FORMAT_VERSION = 3  # 3: the state registry's members (2: fixed model/optim/extra layout; 1: sha256)

@@ -12,7 +12,7 @@ from traincore.checkpoint.commit import read_marker
 from traincore.checkpoint.errors import CheckpointError
 from traincore.checkpoint.layout import complete_steps, step_store
 from traincore.checkpoint.store import Store, as_store
-from traincore.config.schema import VALIDATION_METRICS
+from traincore.config import VALIDATION_METRICS
 
 HIGHER_IS_BETTER = {"val_accuracy": True, "val_loss": False}
 assert set(HIGHER_IS_BETTER) == set(VALIDATION_METRICS)

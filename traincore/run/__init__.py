@@ -3,6 +3,8 @@
     trainer     the Trainer: model, optimizer, schedule, loader, checkpointer and telemetry of one run
     steps       one training step, one validation pass, seeding
     schedule    the LR schedule: warmup, then cosine, linear, step, constant or one cycle
+    param_groups  parameters by name pattern: a learning-rate multiplier, or frozen
+    ema         an exponential moving average of the weights, validated and exported when on
     state       the state registry: Stateful views of every part a resume restores
     dist        process groups from the torchrun / torch elastic environment; collective timeouts; FSDP2/DDP
     launch      local workers started from one process (``--nproc-per-node``)

@@ -11,9 +11,9 @@ Other packages import from here, never from the modules.
 
 from traincore.tuning.halving import rung_budgets, rung_sizes, steps_spent, survivors
 from traincore.tuning.space import SearchSpaceError, parse_space, trial_config
-from traincore.tuning.study import StudyRecord, load_or_create
+from traincore.tuning.study import RECORD_FILE, StudyError, StudyRecord, load_or_create, spec_key
 
 __all__ = [
-    "load_or_create", "parse_space", "rung_budgets", "rung_sizes", "SearchSpaceError", "steps_spent",
-    "StudyRecord", "survivors", "trial_config",
+    "load_or_create", "parse_space", "RECORD_FILE", "rung_budgets", "rung_sizes", "SearchSpaceError",
+    "spec_key", "steps_spent", "StudyError", "StudyRecord", "survivors", "trial_config",
 ]

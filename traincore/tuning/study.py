@@ -22,8 +22,7 @@ import warnings
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from traincore.checkpoint import Store, as_store
-from traincore.checkpoint.selection import HIGHER_IS_BETTER
+from traincore.checkpoint import HIGHER_IS_BETTER, Store, as_store
 from traincore.tuning.space import suggest
 
 RECORD_FILE = "study.json"
