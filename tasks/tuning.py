@@ -139,17 +139,14 @@ def finish_search(search: Search, rungs: list[RungResult], trained: list[TrainRe
                         best=trained[last.trials.index(best)])
 
 
-def search_lineage(search: Search, outcome: SearchOutcome) -> dict:
-    """What the exported model's lineage records of the search that chose it."""
-    return {"key": search.key, "root": search.root, "space": json.loads(search.space),
-            "trial": outcome.best_trial, "parameters": json.loads(search.params[outcome.best_trial]),
-            "rung": len(outcome.rungs) - 1, "metric": search.metric}
-
-
 @task
 def search_lineage_json(search: Search, outcome: SearchOutcome) -> str:
-    """:func:`search_lineage` as the export task takes it."""
-    return json.dumps(search_lineage(search, outcome))
+    """What the exported model's lineage records of the search that chose it (JSON, as the export task
+    takes it): its key and root, the space, the trial, its parameters and its rung."""
+    best = outcome.best_trial
+    return json.dumps({"key": search.key, "root": search.root, "space": json.loads(search.space),
+                       "trial": best, "parameters": json.loads(search.params[best]),
+                       "rung": len(outcome.rungs) - 1, "metric": search.metric})
 
 
 # Input and output only: the default Dependencies field runs `pip freeze` on every execution (seconds).

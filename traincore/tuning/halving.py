@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import math
 
-from traincore.checkpoint import improves
+from traincore.checkpoint import HIGHER_IS_BETTER
 
 
 def rung_budgets(max_steps: int, rungs: int, reduction: int) -> list[int]:
@@ -37,13 +37,8 @@ def rung_sizes(trials: int, rungs: int, reduction: int) -> list[int]:
 
 def survivors(values: dict[int, float], keep: int, metric: str) -> list[int]:
     """The ``keep`` trials with the best ``metric`` (ties: the lower trial number), best first."""
-    order = sorted(values, key=lambda trial: trial)
-    ranked: list[int] = []
-    for trial in order:
-        at = next((i for i, other in enumerate(ranked) if improves(metric, values[trial], values[other])),
-                  len(ranked))
-        ranked.insert(at, trial)
-    return ranked[:keep]
+    sign = -1 if HIGHER_IS_BETTER[metric] else 1
+    return sorted(values, key=lambda trial: (sign * values[trial], trial))[:keep]
 
 
 def steps_spent(budgets: list[int], sizes: list[int]) -> int:
