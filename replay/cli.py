@@ -87,7 +87,8 @@ def replay_package(args: argparse.Namespace) -> dict:
         store.write(code, package.code_tarball.read_bytes())
     print(f"replay: {args.package.name} ({'fast' if package.fast else 'non-fast'} registration), launch plan "
           f"{plan.id.name}, execution {execution.name}, workdir {workdir}", flush=True)
-    replay = Replay(store, execution, workdir, args.python_bin.resolve(), code, args.node_timeout, args.echo)
+    replay = Replay(store, execution, workdir, args.python_bin.resolve(), code, args.node_timeout, args.echo,
+                    workflows=package.workflows)
     started = time.monotonic()
     outputs = replay.run_nodes(workflow.nodes, package.tasks, {literals.START_NODE: inputs})
     final = literals.bind_inputs(workflow.outputs, outputs)

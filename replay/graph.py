@@ -8,7 +8,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from flyteidl.core import dynamic_job_pb2, errors_pb2, literals_pb2, tasks_pb2
+from flyteidl.core import dynamic_job_pb2, errors_pb2, literals_pb2, tasks_pb2, workflow_pb2
 
 from replay import literals, pytorchjob
 from replay.pod import PodResult, PodSpec, flyte_env, render_args, run_pods
@@ -42,6 +42,7 @@ class Replay:
     timeout_s: float = 1800
     echo: bool = False
     attempt: int = 0  # FLYTE_ATTEMPT_NUMBER of every node run (a Flyte retry of one node: replay.retry)
+    workflows: dict[str, workflow_pb2.WorkflowTemplate] = field(default_factory=dict)  # sub-workflows
     timings: list[NodeTiming] = field(default_factory=list)
     node_outputs: dict[str, literals_pb2.LiteralMap] = field(default_factory=dict)
 
@@ -49,8 +50,11 @@ class Replay:
                   prefix: str = "") -> dict[str, literals_pb2.LiteralMap]:
         """Run ``nodes`` in dependency order; ``outputs`` maps node id -> outputs and grows as they finish."""
         for node in dependency_order(nodes):
+            if node.WhichOneof("target") == "workflow_node":
+                outputs[node.id] = self.run_subworkflow(f"{prefix}{node.id}", node, tasks, outputs)
+                continue
             if node.WhichOneof("target") != "task_node":
-                raise NotImplementedError(f"node {node.id}: only task nodes are replayed")
+                raise NotImplementedError(f"node {node.id}: only task nodes and sub-workflows are replayed")
             template = tasks[node.task_node.reference_id.name]
             if node.task_node.overrides.ListFields():  # propeller would merge these into the pod spec
                 print(f"replay: warning: node {node.id} has task overrides, which are not replayed: "
@@ -59,6 +63,20 @@ class Replay:
             outputs[node.id] = self.run_task(f"{prefix}{node.id}", template, inputs)
             self.node_outputs[f"{prefix}{node.id}"] = outputs[node.id]
         return outputs
+
+    def run_subworkflow(self, node_id: str, node, tasks: dict[str, tasks_pb2.TaskTemplate],
+                        outputs: dict) -> literals_pb2.LiteralMap:
+        """A workflow called inside another (a sub-workflow of the same package): its nodes, named under
+        ``node_id``, on the node's bound inputs; its outputs from its own bindings."""
+        reference = node.workflow_node
+        if reference.WhichOneof("reference") != "sub_workflow_ref":
+            raise NotImplementedError(f"node {node_id}: a launch plan called as a node is not replayed")
+        workflow = self.workflows[reference.sub_workflow_ref.name]
+        inputs = literals.bind_inputs(node.inputs, outputs)
+        inner = self.run_nodes(workflow.nodes, tasks, {literals.START_NODE: inputs}, prefix=f"{node_id}-0-")
+        result = literals.bind_inputs(workflow.outputs, inner)
+        self.node_outputs[node_id] = result
+        return result
 
     def run_task(self, node_id: str, template: tasks_pb2.TaskTemplate,
                  inputs: literals_pb2.LiteralMap) -> literals_pb2.LiteralMap:

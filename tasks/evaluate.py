@@ -9,7 +9,7 @@ from flytekit import Resources, task
 from flytekit.deck import DeckField
 
 from tasks.report import evaluation_deck_html, read_metrics
-from tasks.storage import local_directory
+from tasks.storage import dataset_location, local_directory
 from tasks.types import EvalReport, ModelArtifact, StagedDataset, TrainResult
 from traincore.artifacts import evaluate, format_result, with_test
 
@@ -24,7 +24,7 @@ def evaluate_model(model: ModelArtifact, dataset: StagedDataset, trained: TrainR
     lineage."""
     weights = local_directory(model.directory) / model.weights_file
     # The model this workflow trained: its own config named the factory (traincore.model.build.check_trusted).
-    result = evaluate(weights, local_directory(dataset.directory), TEST_SPLIT, trust_model=True)
+    result = evaluate(weights, dataset_location(dataset.directory), TEST_SPLIT, trust_model=True)
     metrics_file = local_directory(trained.logs) / "metrics.jsonl"
     metrics = read_metrics(metrics_file) if metrics_file.is_file() else []
     lineage = with_test(model.export.lineage, result.accuracy, result.count)

@@ -21,7 +21,7 @@ from flytekit.deck import DeckField
 from tasks.evaluate import TEST_SPLIT
 from tasks.plan import LaunchInputError, check_protocol
 from tasks.report import promotion_deck_html
-from tasks.storage import NODE_CACHE, is_uri, local_directory, local_path
+from tasks.storage import NODE_CACHE, dataset_location, is_uri, local_directory, local_path
 from tasks.types import EvalReport, ModelArtifact, Promotion, StagedDataset
 from traincore.artifacts import (
     WEIGHTS_FILE,
@@ -184,7 +184,7 @@ def judge(report: EvalReport, champion: Champion | None, dataset: StagedDataset,
     if problem:
         return False, problem, None
     # The champion is a version this pipeline promoted into its own registry, so its factory is trusted.
-    result = evaluate(champion.directory / WEIGHTS_FILE, local_directory(dataset.directory), TEST_SPLIT,
+    result = evaluate(champion.directory / WEIGHTS_FILE, dataset_location(dataset.directory), TEST_SPLIT,
                       trust_model=True)
     # The champion's lineage as published: its test figures there are those of its own, older split.
     scored = EvalReport(result=result, lineage=champion.lineage or Lineage())

@@ -96,6 +96,16 @@ def local_directory(directory: FlyteDirectory) -> Path:
     return target
 
 
+def dataset_location(directory: FlyteDirectory, secret_group: str = "") -> Path | Store:
+    """Where a train task reads a staged dataset: a local directory in place, or, in an object store, the
+    store itself with its credentials (the run streams it, traincore.data.stream: no node copies the whole
+    dataset)."""
+    source = directory.remote_source
+    if not source or not is_uri(source):
+        return local_directory(directory)
+    return Store(source, {**storage_options(source), **store_secret_options(secret_group)})
+
+
 def default_checkpoint_root() -> str:
     """``<raw output prefix>/checkpoints/<key>``: one root per execution, stable across Flyte retries.
 

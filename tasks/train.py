@@ -36,10 +36,11 @@ from torch.distributed.elastic.rendezvous.api import RendezvousError
 
 from tasks.failures import STDERR_DIR_ENV, captured_stderr, first_failure, vanished_workers
 from tasks.rendezvous import rendezvous_failure
-from tasks.storage import STORE_SECRET_KEYS, checkpoint_store, is_uri, local_directory, resume_note
+from tasks.storage import STORE_SECRET_KEYS, checkpoint_store, dataset_location, is_uri, resume_note
 from tasks.types import StagedDataset, Topology, TrainResult
+from traincore.checkpoint import as_store
 from traincore.config import Config
-from traincore.data import Manifest
+from traincore.data import dataset_manifest
 from traincore.exitcodes import PREEMPTED_EXIT_CODE
 from traincore.run import (
     Preempted,
@@ -70,11 +71,11 @@ def train_model(config: Config, dataset: StagedDataset, checkpoint_root: str) ->
     try:
         with captured_stderr(int(os.environ.get("RANK", "0"))):
             store = checkpoint_store(checkpoint_root, os.environ.get(STORE_SECRET_ENV, ""))
-            data = local_directory(dataset.directory)
+            data = dataset_location(dataset.directory, os.environ.get(STORE_SECRET_ENV, ""))
             # The task's execute ran preflight once for this node's workers (the resume check reads the
             # store, and verifies the checkpoint it would load): they take the manifest it checked.
             summary = Trainer(config, data, output, store, started_at=process_start_time(),
-                              manifest=Manifest.load(data), attempt=records_attempt()).train()
+                              manifest=dataset_manifest(as_store(data)), attempt=records_attempt()).train()
     except dist.DistError as exc:  # a peer vanished or the store timed out: infrastructure, worth a retry
         raise FlyteRecoverableException(f"distributed training failed transiently: {exc}") from exc
     except Preempted as exc:  # the step reached is saved: a retry resumes from it, losing nothing
@@ -225,7 +226,7 @@ class ElasticTrainTask(TopologyTaskMixin, PytorchElasticFunctionTask):
         root = kwargs["checkpoint_root"]
         os.environ[STORE_SECRET_ENV] = self.topology.store_secret  # for the workers, which inherit it
         store = checkpoint_store(root, self.topology.store_secret)
-        preflight(kwargs["config"], local_directory(kwargs["dataset"].directory),
+        preflight(kwargs["config"], dataset_location(kwargs["dataset"].directory, self.topology.store_secret),
                   Path(flytekit.current_context().working_directory) / "run", store,
                   world_size=self.topology.nnodes * self.topology.nproc_per_node)
         try:

@@ -16,9 +16,8 @@ from flytekit.deck import DeckField
 
 from tasks.plan import LaunchInputError, check_protocol
 from tasks.search_deck import search_deck_html
-from tasks.storage import is_uri
+from tasks.storage import checkpoint_store, is_uri
 from tasks.types import EvalReport, RungResult, Search, SearchFinish, SearchOutcome, TrainResult
-from traincore.checkpoint import as_store
 from traincore.config import VALIDATION_METRICS, Config
 from traincore.tuning import (
     RECORD_FILE,
@@ -82,7 +81,7 @@ def plan_search(config: Config, search_space: str, trials: int, parallel: int, r
     spec = {"config": base.to_dict(), "space": space, "trials": trials, "rungs": rungs,
             "reduction": reduction, "metric": metric, "budgets": budgets}
     root = _search_root(checkpoint_uri, spec_key(spec))
-    record = load_or_create(root, spec, space, trials, seed=base.train.seed)
+    record = load_or_create(checkpoint_store(root), spec, space, trials, seed=base.train.seed)
     print(f"plan_search: {trials} trials over {', '.join(space)}; rungs to steps {budgets} for "
           f"{' -> '.join(map(str, sizes))} trials ({steps_spent(budgets, sizes)} of "
           f"{trials * budgets[-1]} steps); record and trial roots in {root}", flush=True)
@@ -92,8 +91,9 @@ def plan_search(config: Config, search_space: str, trials: int, parallel: int, r
 
 
 def _record(search: Search) -> StudyRecord:
-    """The study record as the search's root holds it now."""
-    return StudyRecord(**json.loads(as_store(search.root).read_bytes(RECORD_FILE)))
+    """The study record as the search's root holds it now (read, as it is written, with the credentials
+    Flyte's tasks have for the store: a root in the execution's store, or one they may write)."""
+    return StudyRecord(**json.loads(checkpoint_store(search.root).read_bytes(RECORD_FILE)))
 
 
 @task
@@ -110,7 +110,7 @@ def rung_record(search: Search, rung: int, trials: list[int], results: list[Trai
     resumed = [budget if t in known else trained[t].summary.resumed_from or 0 for t in trials]
     record = _record(search)
     record.tell(rung, dict(zip(trials, values, strict=True)))
-    record.save(search.root)
+    record.save(checkpoint_store(search.root))
     for trial, value, start in zip(trials, values, resumed, strict=True):
         began = (f"recorded by an earlier run at step {budget}" if trial in known
                  else f"resumed from step {start} to step {budget}" if start else f"from step 0 to {budget}")

@@ -11,10 +11,10 @@ from pathlib import Path
 import msgpack
 import pytest
 import replay_helpers  # noqa: F401, I001  (a module beside this file; puts the checkout on sys.path)
-from flyteidl.core import literals_pb2, tasks_pb2, types_pb2, workflow_pb2
+from flyteidl.core import identifier_pb2, literals_pb2, tasks_pb2, types_pb2, workflow_pb2
 from google.protobuf.struct_pb2 import Struct
 
-from replay.graph import NodeFailed, check_world, dependency_order, rank0_writer
+from replay.graph import NodeFailed, Replay, check_world, dependency_order, rank0_writer
 from replay.package import REMOTE_PACKAGE_PATH
 from replay.pod import PodResult, PodSpec, render_args, run_pods
 from replay.retry import start_pod
@@ -131,3 +131,38 @@ def test_pods_that_never_finish_are_killed_at_the_node_timeout(tmp_path):
     specs = [PodSpec(f"waits-{i}", [sys.executable, "-c", "import time; time.sleep(60)"]) for i in (0, 1)]
     results = run_pods(specs, tmp_path, BIN, timeout_s=1)
     assert all(r.timed_out and r.returncode < 0 for r in results)
+
+
+def test_a_sub_workflow_runs_its_nodes_on_the_nodes_inputs_and_gives_its_own_outputs(tmp_path):
+    """A workflow called inside another (retrain_and_promote calls training_pipeline): its nodes run under
+    the calling node's id, on that node's bound inputs, and its output bindings become the node's outputs."""
+    def binding(var: str, node_id: str, output: str) -> literals_pb2.Binding:
+        ref = types_pb2.OutputReference(node_id=node_id, var=output)
+        return literals_pb2.Binding(var=var, binding=literals_pb2.BindingData(promise=ref))
+
+    def integer(value: int) -> literals_pb2.Literal:
+        primitive = literals_pb2.Primitive(integer=value)
+        return literals_pb2.Literal(scalar=literals_pb2.Scalar(primitive=primitive))
+
+    class Doubling(Replay):  # every task doubles its input x: the binding is what is under test, not pods
+        def run_task(self, node_id, template, inputs):
+            ran.append(node_id)
+            return literals_pb2.LiteralMap(literals={"o0": integer(2 * inputs.literals["x"].scalar.primitive
+                                                                   .integer)})
+
+    task = workflow_pb2.TaskNode(reference_id=identifier_pb2.Identifier(name="double"))
+    inner = workflow_pb2.WorkflowTemplate(
+        id=identifier_pb2.Identifier(name="inner"),
+        nodes=[workflow_pb2.Node(id="n0", task_node=task, inputs=[binding("x", "", "y")]),
+               workflow_pb2.Node(id="n1", task_node=task, inputs=[binding("x", "n0", "o0")])],
+        outputs=[binding("z", "n1", "o0")])
+    reference = workflow_pb2.WorkflowNode(sub_workflow_ref=identifier_pb2.Identifier(name="inner"))
+    call = workflow_pb2.Node(id="n1", inputs=[binding("y", "n0", "o0")], workflow_node=reference)
+    outer = [workflow_pb2.Node(id="n0", task_node=task, inputs=[binding("x", "", "a")]), call]
+    ran: list[str] = []
+    replay = Doubling(Store(str(tmp_path)), EXECUTION, tmp_path, BIN, workflows={"inner": inner})
+    outputs = replay.run_nodes(outer, {"double": tasks_pb2.TaskTemplate()},
+                               {"": literals_pb2.LiteralMap(literals={"a": integer(3)})})
+    assert ran == ["n0", "n1-0-n0", "n1-0-n1"]
+    assert outputs["n1"].literals["z"].scalar.primitive.integer == 24  # 3 -> 6 -> 12 -> 24
+    assert replay.node_outputs["n1"] == outputs["n1"]

@@ -19,7 +19,11 @@ run from a step before the end (its last step dropped, as if the attempt died be
 - a new execution on one pod of one process with a restart budget (max_restarts=1), from its own copy: the
   pod's environment has no OMP_NUM_THREADS, so its one elastic worker runs at torch's default thread count
   (every core), the worker that once hung when it was forked from the task's process; it trains to the end
-  on a world of one, from the checkpoint two ranks wrote.
+  on a world of one, from the checkpoint two ranks wrote;
+- the scheduled retraining (retrain_and_promote) on the same two pods, its checkpoint root in the bucket,
+  warm-started from the registry's latest version, which is the run's exported model, published to a
+  registry in the bucket as an operator does by hand; the model it trains is published after it (marked
+  `long`: `make test-long` runs it).
 
 The tests share only the fixture's run; each leaves the others' roots and work directories alone, so any
 one of them runs alone (the first one to run pays for the fixture). Under ``make test`` (pytest-xdist) the
@@ -29,14 +33,18 @@ replay tests are one group, on one worker (tests/conftest.py), so the 2-pod run 
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
 import uuid
 from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
 import torch
-from replay_helpers import run_replay  # noqa: I001  (a module beside this file)
+from replay_helpers import ROOT, run_replay  # noqa: I001  (a module beside this file)
 
+from traincore.artifacts.lineage import Lineage
 from traincore.checkpoint import Store, complete_steps, read_marker, step_store
 from traincore.checkpoint.format import read_checkpoint
 from traincore.checkpoint.prune import remove_step
@@ -251,3 +259,44 @@ def test_one_pod_of_one_multithreaded_process_with_restarts_resumes_a_copy_of_th
     assert "OMP_NUM_THREADS" not in json.loads((pod / "pod.json").read_text())["env"]
     # The two ranks' shards load on a world of one, and the run's last checkpoint holds the same tensors.
     assert weights(run.root, MAX_STEPS).keys() == two_pods.final.keys()
+
+
+def published(s3, registry: str, model_dir: str, workdir: Path) -> str:
+    """Publish the exported model at the URI ``model_dir`` to ``registry`` with `python -m traincore.registry
+    publish`, as an operator does by hand (the store through the standard AWS variables); its version."""
+    local = workdir / "model"
+    Store(model_dir, s3.storage_options).fs.get(model_dir.rstrip("/") + "/", str(local), recursive=True)
+    run = subprocess.run([sys.executable, "-m", "traincore.registry", "publish", registry, str(local),
+                          "--trust-model-code"], capture_output=True, text=True, cwd=ROOT, timeout=120,
+                         env={**os.environ, **s3.aws_env, "PYTHONPATH": str(ROOT)})
+    assert run.returncode == 0, run.stdout + run.stderr
+    return run.stdout.split(": published ")[1].split()[0]
+
+
+@pytest.mark.long  # 8 nodes, a sub-workflow of the pipeline among them: about 120 s after the fixture's run
+def test_retraining_replays_on_two_pods_warm_started_from_the_registrys_latest(two_pods, tmp_path):
+    s3, workdir = two_pods.s3, tmp_path / "retrain"
+    registry = f"s3://{s3.bucket}/registry-{uuid.uuid4().hex[:8]}"
+    served = published(s3, registry, two_pods.summary["outputs"]["model"]["directory"]["path"], tmp_path)
+    root = bucket_store(s3, f"checkpoints/retrain-{uuid.uuid4().hex[:8]}")
+    code, output, summary = run_replay(
+        two_pods.package, workdir, *TWO_PODS, "source=digits", f"max_steps={EVERY}",
+        f"config_overrides={CONFIG}", f"checkpoint_uri={root}", "warm_start=true", f"promoted_uri={registry}",
+        "threshold=0", "tolerance=1", env=s3.env,
+        options=("--launch-plan", "workflows.schedules.retrain_and_promote", "--store", two_pods.store))
+    assert code == 0, output[-6000:]
+    trains = [node for node in summary["nodes"] if node["task"].startswith("tasks.train.train-")]
+    assert [(node["task"].split("-", 2)[1], node["pods"]) for node in trains] == [("kubernetes", 2)]
+    warm = f"warm_start: model.init_from={registry}/{served}/model.safetensors"
+    assert any(warm in path.read_text() for path in workdir.rglob("log.txt")), "no pod says where it started"
+    assert complete_steps(root) == [EVERY]  # its checkpoints in the bucket, at the root given
+    promotion = summary["outputs"]["o0"]
+    assert promotion["promoted"], promotion
+    assert promotion["champion_origin"] == f"{registry}/{served} (latest)", promotion
+    assert promotion["champion"]["result"]["accuracy"] > 0.2, promotion  # the served model, evaluated anew
+    store = Store(registry, s3.storage_options)
+    assert store.read_bytes("latest").decode().strip() == promotion["version"] != served
+    lineage = Lineage.from_json(store.read_bytes(f"{promotion['version']}/lineage.json"))
+    first = Lineage.from_json(store.read_bytes(f"{served}/lineage.json"))
+    assert lineage.init_sha256 == first.model_sha256 and lineage.world_size == 2, lineage
+    assert lineage.config["model"]["init_from"] == f"{registry}/{served}/model.safetensors"

@@ -3,6 +3,7 @@ checkpoints shared with the local backend, failures and cancellations reported a
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import signal
@@ -34,13 +35,15 @@ PYFLYTE = str(Path(sys.executable).parent / "pyflyte")
 SLURM_TIME_CHECK_S = 30  # slurmctld's PERIODIC_TIMEOUT: how often it checks time limits (not configurable)
 
 
-def pipeline(*args: str, cwd: Path, timeout: float = 420, **env: str) -> subprocess.CompletedProcess:
-    """`pyflyte run workflows/pipeline.py training_pipeline ARGS` as a user runs it."""
-    workflow = str(ROOT / "workflows" / "pipeline.py")
+def pipeline(*args: str, cwd: Path, timeout: float = 420, workflow: str = "pipeline.py:training_pipeline",
+             **env: str) -> subprocess.CompletedProcess:
+    """`pyflyte run workflows/pipeline.py training_pipeline ARGS` (or another ``file:workflow`` of
+    workflows/) as a user runs it."""
+    file, name = workflow.split(":")
     # No local task cache: its entries would point into this test session's temporary staging directory
     # and outlive it in the user's ~/.flyte.
     env = {**os.environ, "FLYTE_LOCAL_CACHE_ENABLED": "false", **env}
-    return subprocess.run([PYFLYTE, "run", workflow, "training_pipeline", *args], cwd=cwd,
+    return subprocess.run([PYFLYTE, "run", str(ROOT / "workflows" / file), name, *args], cwd=cwd,
                           capture_output=True, text=True, timeout=timeout, env=env)
 
 
@@ -156,6 +159,27 @@ def test_local_ddp_resumes_from_the_checkpoint_of_the_slurm_nodes(shared_root, s
     assert slurm_second.run.returncode == 0, output(slurm_second.run)[-3000:]
     back = shared_root.local(max_steps=30)
     assert back.returncode == 0 and "resumed from step 20" in output(back), output(back)[-3000:]
+
+
+def test_a_search_trial_trains_as_a_slurm_job_and_resumes_in_the_next_rungs_own(slurm_loopback, tmp_path):
+    """tune_pipeline on the Slurm backend: its trial trains to the first rung as a Slurm job on a node of the
+    cluster, then goes on, in a second job, from its own rung-0 checkpoint (the halving itself, over many
+    trials, is tests/workflows/test_tuning.py's)."""
+    before, root = slurm_loopback.finished(), tmp_path / "search"
+    run = pipeline("--backend", "slurm", "--slurm_target", slurm_loopback.alias, "--slurm_setup",
+                   f"source {sys.prefix}/bin/activate", "--nproc_per_node", "1", "--max_steps", "8",
+                   "--trials", "1", "--parallel", "1", "--rungs", "2", "--checkpoint_uri", str(root),
+                   "--search_space", json.dumps({"optim.lr": {"low": 5e-3, "high": 5e-2, "log": True},
+                                                 "model.width": {"choices": [4, 8]}}),
+                   "--config_overrides", '{"telemetry": {"tensorboard": false}}', cwd=tmp_path,
+                   workflow="tuning.py:tune_pipeline")
+    text = output(run)
+    assert run.returncode == 0, text[-3000:]
+    assert list(new_jobs(slurm_loopback, before).values()) == [("COMPLETED", 1)] * 2, text[-3000:]
+    assert "trained 4 steps" in text and re.search(r"trained 8 steps in \S+ s, resumed from step 4", text), \
+        text[-3000:]
+    assert "steps spent: 8 of 8" in text and re.search(r"test accuracy: 0\.\d+", text), text[-3000:]
+    assert complete_steps(root / "trial-000")[-1] == 8
 
 
 def secret_files(job: int, secret: str) -> tuple[int, list[Path]]:

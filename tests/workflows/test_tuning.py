@@ -101,3 +101,16 @@ def test_bad_search_inputs_fail_before_anything_stages_or_trains(tmp_path, monke
         tune_pipeline(**{**SEARCH, **change}, checkpoint_uri=str(tmp_path / "search"))
     assert message in str(caught.value), caught.value
     assert not any((tmp_path / "search").rglob("*"))  # no record, no trial (plan_run proved it writable)
+
+
+def test_a_search_takes_every_input_of_the_pipeline_with_the_same_name_type_and_default():
+    """A trial trains as training_pipeline's train node does: the same inputs, so that a command that trains
+    one run becomes a search by adding the search's inputs."""
+    from workflows.pipeline import training_pipeline
+
+    pipeline, search = training_pipeline.python_interface, tune_pipeline.python_interface
+    assert {name: search.inputs[name] for name in pipeline.inputs} == pipeline.inputs
+    assert {name: search.default_inputs_as_kwargs.get(name) for name in pipeline.inputs} == {
+        name: pipeline.default_inputs_as_kwargs.get(name) for name in pipeline.inputs}
+    assert set(search.inputs) - set(pipeline.inputs) == {"search_space", "trials", "parallel", "rungs",
+                                                          "metric", "reduction"}

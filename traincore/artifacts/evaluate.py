@@ -17,7 +17,16 @@ import torch
 import torch.nn.functional as F
 
 from traincore.artifacts.export import ExportError, add_trust_flags, load_exported, trust_from_args
-from traincore.data import Normalizer, StagedSplit, StagingError, eval_batches
+from traincore.checkpoint import Store, as_store
+from traincore.data import (
+    Normalizer,
+    StagedSplit,
+    StagingError,
+    StreamedSplit,
+    cache_limit,
+    eval_batches,
+    open_streamed,
+)
 
 
 @dataclass
@@ -49,12 +58,12 @@ def precision_recall(confusion: torch.Tensor) -> tuple[list[float], list[float]]
     return precision.tolist(), recall.tolist()
 
 
-def _check_compatible(meta: dict, split: StagedSplit, model_path: str | Path) -> None:
-    manifest = split.manifest
+def _check_compatible(meta: dict, split: StagedSplit | StreamedSplit, model_path: str | Path) -> None:
+    manifest, where = split.manifest, split.store.uri if split.remote else split.directory
     if list(meta["shape"]) != list(manifest.shape) or list(meta["classes"]) != list(manifest.classes):
         raise StagingError(
             f"model {model_path} expects {len(meta['classes'])} classes of shape {tuple(meta['shape'])}, but "
-            f"{split.directory} holds {manifest.num_classes} classes of shape {manifest.shape}: evaluate on "
+            f"{where} holds {manifest.num_classes} classes of shape {manifest.shape}: evaluate on "
             "data staged with the training settings")
 
 
@@ -88,7 +97,7 @@ def resolve_device(device: str | torch.device | None) -> torch.device:
     raise ValueError(f"device {device!r} (--device) is not available on this machine: {choices}")
 
 
-def evaluate(model_path: str | Path, data_dir: str | Path, split: str = "test", batch_size: int = 256,
+def evaluate(model_path: str | Path, data_dir: str | Path | Store, split: str = "test", batch_size: int = 256,
              device: str | torch.device | None = None, trust_model: bool | str = False) -> EvalResult:
     """Run the exported model over ``split`` of ``data_dir`` and measure it. ``trust_model``: True, or the
     model's import path, allows rebuilding a model of an imported factory
@@ -98,7 +107,26 @@ def evaluate(model_path: str | Path, data_dir: str | Path, split: str = "test", 
     device = resolve_device(device)
     model, meta = load_exported(model_path, trust_model)
     _check_meta(meta, model_path)
-    data = StagedSplit(data_dir, split)
+    data = open_split(data_dir, split)
+    try:
+        return _measure(model, meta, data, model_path, split, batch_size, device)
+    finally:
+        if data.remote:
+            data.close()
+
+
+def open_split(data_dir: str | Path | Store, split: str) -> StagedSplit | StreamedSplit:
+    """``split`` of the staged dataset at ``data_dir``: memory-mapped, or streamed from an object store
+    (traincore.data.stream: only that split's samples are fetched, never the whole dataset)."""
+    data = as_store(data_dir)
+    if data.local:
+        return StagedSplit(data.path, split)
+    return open_streamed(data, (split,), cache_limit(0))[0]
+
+
+def _measure(model: torch.nn.Module, meta: dict, data: StagedSplit | StreamedSplit, model_path: str | Path,
+             split: str, batch_size: int, device: torch.device) -> EvalResult:
+    """The model's loss, accuracy, precision, recall and confusion over ``data``."""
     _check_compatible(meta, data, model_path)
     model.to(device)
     # The model's own normalisation, from its training data: correct even on a differently staged copy.

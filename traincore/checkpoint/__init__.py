@@ -43,11 +43,11 @@ from traincore.checkpoint.selection import (
     select_step,
     step_metrics,
 )
-from traincore.checkpoint.store import Store, as_store, is_uri
+from traincore.checkpoint.store import STORE_ACCESS_FIX, Store, as_store, error_reason, is_uri
 
 __all__ = [
     "as_store", "best_step", "check_fit", "Checkpointer", "CheckpointError", "CheckpointWriteError",
-    "HIGHER_IS_BETTER",
+    "error_reason", "HIGHER_IS_BETTER", "STORE_ACCESS_FIX",
     "choose_step", "complete_steps", "CorruptCheckpointError", "FORMAT_VERSION", "improves", "is_uri",
     "latest_complete", "MARKER", "open_saved", "parse_step_name", "read_checkpoint", "read_marker",
     "RunFit", "SaveStats", "select_step", "SELECTIONS", "step_dir", "step_metrics", "step_store", "Store",

@@ -30,6 +30,19 @@ from traincore.files import fsync_path, write_atomically
 _FRESH = {"refresh": True}
 
 
+STORE_ACCESS_FIX = ("check that the object exists and that this machine reaches the store with credentials "
+                    "that may read it (for s3://: AWS_* or FLYTE_AWS_* settings or the store_secret input, "
+                    "and AWS_ENDPOINT_URL / FLYTE_AWS_ENDPOINT for a store other than AWS)")
+"""The fix for a store that cannot be read: botocore, gcsfs and adlfs raise their own errors for missing
+credentials and an unreachable endpoint, so every reader names the location and this."""
+
+
+def error_reason(exc: BaseException) -> str:
+    """``Type: first line`` of an error, for a message that names its cause in one line."""
+    text = str(exc).strip()
+    return f"{type(exc).__name__}: {text.splitlines()[0]}" if text else type(exc).__name__
+
+
 def is_uri(location: str | Path) -> bool:
     """True for object-store URIs (s3://, gs://, ...); plain paths and file:// URIs are local."""
     text = str(location)

@@ -257,10 +257,15 @@ class LoaderConfig:
     """Smallest area fraction random_resized_crop keeps, in (0, 1]."""
     horizontal_flip: bool = False
     """Augment training batches on the device: mirror half of the images left to right."""
+    cache_bytes: int = 0
+    """Node-local disk, in bytes, each process may use to cache a dataset streamed from an object store
+    (data.stream); 0 = 8 GiB shared by the node's processes, at most half the free space where the cache is.
+    It must hold the batches in flight: 5 x batch_size samples."""
 
     def __post_init__(self) -> None:
         _check_types(self, "loader")
-        _ints(self, "loader", batch_size=1, num_workers=0, prefetch_factor=1, eval_batch_size=1)
+        _ints(self, "loader", batch_size=1, num_workers=0, prefetch_factor=1, eval_batch_size=1,
+              cache_bytes=0)
         _check(0 < self.crop_scale <= 1, "loader.crop_scale", self.crop_scale, "must be in (0, 1]")
 
 

@@ -9,6 +9,7 @@
     staging      decode a source once into size-capped uint8 shards, published atomically
     progress     staging's progress lines (items, bytes, rate) for every source
     manifest     the staged format: manifest.json, its records, and the integrity checks every reader runs
+    stream       a staged dataset in an object store, read sample by sample into a bounded node-local cache
     loader       memory-mapped reader and the resumable, world-size-independent training loader
     augment      augmentation on the device (random resized crop, flip), seeded by each batch's place
     autotune     an opt-in probe that picks num_workers and prefetch_factor for this machine
@@ -16,12 +17,22 @@
 
 from traincore.data.autotune import autotune
 from traincore.data.fingerprint import source_fingerprint
-from traincore.data.loader import Batch, Normalizer, StagedLoader, StagedSplit, epoch_batches, eval_batches
+from traincore.data.loader import Normalizer, StagedLoader, StagedSplit, epoch_batches, eval_batches
 from traincore.data.manifest import FORMAT_VERSION, Manifest, StagingError, verify_staging
 from traincore.data.staging import directory_bytes, stage, staging_key, summary
+from traincore.data.stream import (
+    Batch,
+    StreamedSplit,
+    StreamError,
+    cache_limit,
+    dataset_manifest,
+    open_streamed,
+    verify_streamed,
+)
 
 __all__ = [
-    "autotune", "Batch", "directory_bytes", "epoch_batches", "eval_batches", "FORMAT_VERSION", "Manifest",
-    "Normalizer", "source_fingerprint", "stage", "StagedLoader", "StagedSplit", "staging_key", "StagingError",
-    "summary", "verify_staging",
+    "autotune", "Batch", "cache_limit", "dataset_manifest", "directory_bytes", "epoch_batches",
+    "eval_batches", "FORMAT_VERSION", "Manifest", "Normalizer", "open_streamed", "source_fingerprint",
+    "stage", "StagedLoader", "StagedSplit", "staging_key", "StagingError", "StreamedSplit", "StreamError",
+    "summary", "verify_staging", "verify_streamed",
 ]

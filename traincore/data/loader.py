@@ -29,14 +29,16 @@ import torch
 from traincore.config import LoaderConfig
 from traincore.data.augment import Augmenter
 from traincore.data.manifest import Manifest, StagingError, check_size, read_labels, verify_images
+from traincore.data.stream import Batch, StreamedSplit
 
 log = logging.getLogger(__name__)
-Batch = tuple[torch.Tensor, torch.Tensor]
 
 
 class StagedSplit:
     """One split of a staged dataset, memory-mapped and checked on open (data.manifest: sizes and labels
     every time, image sha256 once per staging, recorded in ``verified.json``)."""
+
+    remote = False  # data.stream.StreamedSplit reads one in an object store
 
     def __init__(self, directory: str | Path, split: str, verify_hashes: bool = False,
                  normalization: tuple[list[float], list[float]] | None = None):
@@ -94,6 +96,10 @@ class StagedSplit:
         return images, torch.from_numpy(self.labels[indices])
 
     __getitems__ = read  # lets torch's DataLoader fetch a whole batch in one call
+
+    def stream(self, batches: Iterator[np.ndarray], pin_memory: bool = False) -> Iterator[Batch]:
+        """The batches of index arrays ``batches``, in order (what the loader reads without workers)."""
+        return (self.read(indices, pin_memory) for indices in batches)
 
 
 class Normalizer:
@@ -163,8 +169,8 @@ class StagedLoader:
     the epoch. ``state_dict()`` records only batches that the caller has actually received.
     """
 
-    def __init__(self, split: StagedSplit, cfg: LoaderConfig, *, rank: int = 0, world_size: int = 1,
-                 seed: int = 0, device: torch.device | str = "cpu"):
+    def __init__(self, split: StagedSplit | StreamedSplit, cfg: LoaderConfig, *, rank: int = 0,
+                 world_size: int = 1, seed: int = 0, device: torch.device | str = "cpu"):
         if not 0 <= rank < world_size:
             raise ValueError(f"rank {rank} is outside world size {world_size}")
         self.split, self.cfg = split, cfg
@@ -179,7 +185,9 @@ class StagedLoader:
                              f"exceeds the {len(split)} {split.split} samples: lower loader.batch_size "
                              "or set drop_last off")
         self._pin = cfg.pin_memory and self.device.type == "cuda"
-        self._dataloader = self._make_dataloader() if cfg.num_workers > 0 else None
+        if split.remote:  # fetched by the split's own threads into its cache: no worker processes
+            split.check_cache(cfg)
+        self._dataloader = self._make_dataloader() if cfg.num_workers > 0 and not split.remote else None
 
     @property
     def global_batch_size(self) -> int:
@@ -209,7 +217,7 @@ class StagedLoader:
         """:meth:`host_batches` with each batch's place in the run, (seed, rank, epoch, position): what
         seeds its augmentation."""
         source = (iter(self._dataloader) if self._dataloader is not None else
-                  (self.split.read(idx, self._pin) for idx in self.index_batches()))
+                  self.split.stream(self.index_batches(), self._pin))
         for images, labels in source:
             key = (self.seed, self.rank, self.epoch, self.consumed)
             self.consumed = min(self.consumed + self.global_batch_size, len(self.split))

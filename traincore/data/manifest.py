@@ -6,6 +6,8 @@ A staged dataset is one directory::
                                   splits + shards
     train-00000.u8                uint8 images, NCHW contiguous (count * C * H * W bytes)
     train-00000.labels.i64        int64 labels (count * 8 bytes)
+    train-00000.sha256            each image's sha256, raw (count * 32 bytes): a streaming reader
+                                  (data.stream) checks every sample it fetches against it
     val-00000.u8 ...
     verified.json                 written by readers: image shards whose sha256 has been checked
 
@@ -38,7 +40,9 @@ from traincore.files import sha256_file, write_atomically
 
 log = logging.getLogger(__name__)
 
-FORMAT_VERSION = 2  # 2: stable imagefolder splits (traincore.data.imagefolder), the source fingerprint
+# 3: per-image digests (streaming reads check each sample); 2: stable imagefolder splits
+# (traincore.data.imagefolder), the source fingerprint
+FORMAT_VERSION = 3
 MANIFEST = "manifest.json"
 VERIFIED = "verified.json"
 SPLITS = ("train", "val", "test")
@@ -54,13 +58,15 @@ class StagingError(ValueError):
 
 @dataclass
 class ShardInfo:
-    """One shard: its image and label file names, sample count and the files' sha256."""
+    """One shard: its image, label and image-digest file names, sample count and the files' sha256."""
 
     images: str
     labels: str
     count: int
     images_sha256: str
     labels_sha256: str
+    digests: str
+    digests_sha256: str
 
 
 @dataclass
@@ -110,20 +116,28 @@ class Manifest:
             raise StagingError(f"{directory} is not a staged dataset (no {MANIFEST}); stage it first with "
                                "`python -m traincore.stage --source ... --output DIR`")
         try:
-            raw = json.loads(path.read_bytes())
-        except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-            raise _damaged(path, f"is not valid JSON ({exc})") from exc
+            data = path.read_bytes()
         except OSError as exc:
             raise StagingError(f"cannot read {path}: {exc.strerror}: check the file's permissions") from exc
+        return cls.from_bytes(data, path)
+
+    @classmethod
+    def from_bytes(cls, data: bytes, path: str | Path) -> Manifest:
+        """Parse the text of the manifest ``path`` (a file, or an object in a store)."""
+        try:
+            raw = json.loads(data)
+        except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+            raise _damaged(path, f"is not valid JSON ({exc})") from exc
         if not isinstance(raw, dict):
             raise _damaged(path, f"holds a JSON {type(raw).__name__}, not an object")
         if raw.get("format_version") != FORMAT_VERSION:
-            raise StagingError(f"{directory} has staging format {raw.get('format_version')}, this version "
-                               f"reads format {FORMAT_VERSION}: stage the data again")
+            raise StagingError(f"{str(path).removesuffix(MANIFEST).rstrip('/')} has staging format "
+                               f"{raw.get('format_version')}, this version reads format {FORMAT_VERSION}: "
+                               "stage the data again")
         return _parse_manifest(raw, path)
 
 
-def _damaged(path: Path, problem: str) -> StagingError:
+def _damaged(path: str | Path, problem: str) -> StagingError:
     return StagingError(f"{path} {problem}: the staged dataset is incomplete or damaged; {RESTAGE}")
 
 
@@ -137,7 +151,7 @@ def _is_number(value: Any) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
-def _parse_manifest(raw: dict, path: Path) -> Manifest:
+def _parse_manifest(raw: dict, path: str | Path) -> Manifest:
     """Check every key's presence and type, then build the Manifest; errors name the key and the file."""
 
     def need(obj: dict, key: str, where: str, ok: Any, expected: str) -> Any:
@@ -186,13 +200,16 @@ def _parse_manifest(raw: dict, path: Path) -> Manifest:
             extra = sorted(set(shard) - set(ShardInfo.__dataclass_fields__))
             if extra:
                 raise _damaged(path, f"has unknown key(s) {', '.join(map(repr, extra))} in {at[:-1]}")
-            names = [need(shard, key, at, lambda v: isinstance(v, str) and _SHARD_NAME.fullmatch(v)
-                          and v not in (MANIFEST, VERIFIED),
-                          "a plain file name inside the staging directory") for key in ("images", "labels")]
-            digests = [need(shard, key, at, lambda v: isinstance(v, str) and _SHA256.fullmatch(v),
-                            "a sha256 hex digest") for key in ("images_sha256", "labels_sha256")]
-            shards.append(ShardInfo(names[0], names[1], need(shard, "count", at, _is_int,
-                                                             "a non-negative integer"), *digests))
+            images, labels, digests = (
+                need(shard, key, at, lambda v: isinstance(v, str) and _SHARD_NAME.fullmatch(v)
+                     and v not in (MANIFEST, VERIFIED), "a plain file name inside the staging directory")
+                for key in ("images", "labels", "digests"))
+            hashes = {key: need(shard, key, at, lambda v: isinstance(v, str) and _SHA256.fullmatch(v),
+                                "a sha256 hex digest")
+                      for key in ("images_sha256", "labels_sha256", "digests_sha256")}
+            shards.append(ShardInfo(images=images, labels=labels, digests=digests,
+                                    count=need(shard, "count", at, _is_int, "a non-negative integer"),
+                                    **hashes))
         if sum(s.count for s in shards) != count:
             raise _damaged(path, f"says split {name!r} has {count} samples but its shards hold "
                                  f"{sum(s.count for s in shards)}")
@@ -224,7 +241,14 @@ def read_labels(directory: str | Path, manifest: Manifest, shard: ShardInfo) -> 
     """One shard's labels, checked on every open (they are small): size, range, then sha256."""
     path = Path(directory) / shard.labels
     check_size(path, shard.count * 8)
-    data = path.read_bytes()
+    return check_labels(path.read_bytes(), manifest, shard, path)
+
+
+def check_labels(data: bytes, manifest: Manifest, shard: ShardInfo, path: str | Path) -> np.ndarray:
+    """The labels file ``path`` of ``shard`` as read: its size, range, then sha256."""
+    if len(data) != shard.count * 8:
+        raise StagingError(f"shard {path} is {len(data)} bytes, expected {shard.count * 8} bytes: the staged "
+                           f"dataset is truncated or damaged; {RESTAGE}")
     labels = np.frombuffer(data, dtype=np.int64)
     bad = np.flatnonzero((labels < 0) | (labels >= manifest.num_classes))
     if len(bad):

@@ -62,6 +62,11 @@ def open_source(cfg: DataConfig, progress: Callable[[str], None] = log.info,
     return source, source_fingerprint(cfg)
 
 
+def _image_digests(rows: np.ndarray) -> np.ndarray:
+    """Each image's raw sha256 (32 bytes a row): what a streaming reader checks a fetched sample against."""
+    return np.frombuffer(b"".join(hashlib.sha256(row).digest() for row in rows), np.uint8).reshape(-1, 32)
+
+
 # ---- writer --------------------------------------------------------------------------------------
 
 class _ShardWriter:
@@ -80,7 +85,8 @@ class _ShardWriter:
             if not self._files:
                 self._start()
             take = min(self.per_shard - self._count, len(labels))
-            parts = (images[:take], labels[:take])
+            rows = np.ascontiguousarray(images[:take]).reshape(take, -1)
+            parts = (rows, labels[:take], _image_digests(rows))
             for data, handle, digest in zip(parts, self._files, self._hashes, strict=True):
                 buffer = np.ascontiguousarray(data).reshape(-1).view(np.uint8)  # no copy of the chunk
                 handle.write(buffer)
@@ -103,13 +109,13 @@ class _ShardWriter:
                 handle.close()
         self._files = []
 
-    def _names(self) -> tuple[str, str]:
+    def _names(self) -> tuple[str, str, str]:
         stem = f"{self.split}-{len(self.info.shards):05d}"
-        return f"{stem}.u8", f"{stem}.labels.i64"
+        return f"{stem}.u8", f"{stem}.labels.i64", f"{stem}.sha256"
 
     def _start(self) -> None:
         self._files = [open(self.directory / name, "wb") for name in self._names()]
-        self._hashes = [hashlib.sha256(), hashlib.sha256()]
+        self._hashes = [hashlib.sha256() for _ in self._files]
         self._count = 0
 
     def _finish(self) -> None:
@@ -117,9 +123,10 @@ class _ShardWriter:
             handle.flush()
             os.fsync(handle.fileno())  # on disk before the manifest that vouches for it is written
             handle.close()
-        images, labels = self._names()
-        images_sha256, labels_sha256 = (digest.hexdigest() for digest in self._hashes)
-        self.info.shards.append(ShardInfo(images, labels, self._count, images_sha256, labels_sha256))
+        images, labels, digests = self._names()
+        images_sha256, labels_sha256, digests_sha256 = (digest.hexdigest() for digest in self._hashes)
+        self.info.shards.append(ShardInfo(images, labels, self._count, images_sha256, labels_sha256, digests,
+                                          digests_sha256))
         self.info.count += self._count
         self._files = []
 

@@ -32,7 +32,7 @@ from typing import Any
 
 import torch
 
-from traincore.checkpoint import MARKER, Store, is_uri, parse_step_name
+from traincore.checkpoint import MARKER, STORE_ACCESS_FIX, Store, error_reason, is_uri, parse_step_name
 
 SUFFIXES = (".safetensors", ".pt", ".pth")
 STATE_KEYS = ("model", "state_dict", "model_state_dict", "module", "ema", "model_ema", "state_dict_ema")
@@ -239,11 +239,8 @@ def _reading(location: str) -> Iterator[None]:
     except FileNotFoundError as exc:
         raise InitError(_missing(location)) from exc
     except Exception as exc:  # botocore, gcsfs and adlfs raise their own classes for credentials and network
-        fix = ("check the path and its permissions" if not is_uri(location) else
-               "check that the object exists and that this machine reaches the store with credentials that "
-               "may read it (for s3://: AWS_* or FLYTE_AWS_* settings or the store_secret input, and "
-               "AWS_ENDPOINT_URL / FLYTE_AWS_ENDPOINT for a store other than AWS)")
-        raise InitError(f"model.init_from={location!r} cannot be read ({_reason(exc)}): {fix}") from exc
+        fix = "check the path and its permissions" if not is_uri(location) else STORE_ACCESS_FIX
+        raise InitError(f"model.init_from={location!r} cannot be read ({error_reason(exc)}): {fix}") from exc
 
 
 @contextmanager
@@ -257,16 +254,13 @@ def _parsing(location: str) -> Iterator[None]:
     except Exception as exc:  # each reader reports a damaged file as whatever it hit
         if isinstance(exc, pickle.UnpicklingError) and "Weights only load failed" in str(exc):
             detail = next((line.strip() for line in str(exc).splitlines() if "Unsupported global" in line),
-                          _reason(exc))
+                          error_reason(exc))
             raise InitError(f"model.init_from={location!r} holds pickled objects other than tensors, which "
                             f"loading with weights_only refuses ({detail}): a whole model saved with "
                             "torch.save(model), or a checkpoint with classes of its own; save the model's "
                             "state dict alone, torch.save(model.state_dict(), 'weights.pt'), and pass that "
                             "file") from exc
-        raise InitError(f"model.init_from={location!r} cannot be read ({_reason(exc)}): it is damaged, or "
-                        f"not what its suffix says: pass {FORMATS}") from exc
+        raise InitError(f"model.init_from={location!r} cannot be read ({error_reason(exc)}): it is damaged, "
+                        f"or not what its suffix says: pass {FORMATS}") from exc
 
 
-def _reason(exc: BaseException) -> str:
-    text = str(exc).strip()
-    return f"{type(exc).__name__}: {text.splitlines()[0]}" if text else type(exc).__name__

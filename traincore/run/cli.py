@@ -43,7 +43,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     """The CLI's flags."""
     parser = argparse.ArgumentParser(prog="python -m traincore.train", description=(
         "Train on a staged dataset: one process, N local workers, or torchrun's ranks."))
-    parser.add_argument("--data", required=True, help="staged dataset directory (python -m traincore.stage)")
+    parser.add_argument("--data", required=True,
+                        help="staged dataset (python -m traincore.stage): a directory, or an object-store "
+                             "URI such as s3://bucket/staged/digits (streamed; see loader.cache_bytes)")
     parser.add_argument("--output", required=True,
                         help="run directory: checkpoints, TensorBoard, metrics.jsonl")
     parser.add_argument("--preset", default="digits", choices=sorted(PRESETS), help="starting config")

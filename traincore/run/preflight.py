@@ -27,7 +27,7 @@ from traincore.checkpoint import (
     step_store,
 )
 from traincore.config import OWN_MODELS, Config, ModelConfig, is_imported_model, model_identity
-from traincore.data import Manifest, verify_staging
+from traincore.data import Manifest, verify_staging, verify_streamed
 from traincore.imports import no_exit
 from traincore.model import (
     ModelImportError,
@@ -44,7 +44,7 @@ from traincore.run.steps import check_step_fits_epoch
 from traincore.telemetry import check_wandb_reachable, resolve_wandb_key
 
 
-def preflight(cfg: Config, data_dir: str | Path, output_dir: str | Path | None = None,
+def preflight(cfg: Config, data_dir: str | Path | Store, output_dir: str | Path | None = None,
               checkpoint_dir: str | Path | Store | None = None, world_size: int | None = None) -> Manifest:
     """Check the config against the staged data before any process group starts; returns the manifest.
 
@@ -56,9 +56,14 @@ def preflight(cfg: Config, data_dir: str | Path, output_dir: str | Path | None =
     against the same model (from the file's header: a large file is not downloaded here).
 
     The splits a run reads are verified here (traincore.data.manifest.verify_staging: labels every time, image
-    shards hashed once per staging), so a corrupt staging fails with a StagingError naming the file.
+    shards hashed once per staging), so a corrupt staging fails with a StagingError naming the file; a
+    dataset in an object store (streamed) is reached, its labels and image digests checked and the cache's
+    size against the batches in flight (traincore.data.stream.verify_streamed).
     """
-    manifest = verify_staging(data_dir, Manifest.load(data_dir), ("train", "val"))
+    data = as_store(data_dir)
+    manifest = (verify_staging(data.path, Manifest.load(data.path), ("train", "val")) if data.local else
+                verify_streamed(data, cfg.loader))
+    data_dir = data.uri  # how the messages below name it
     train_count = manifest.splits["train"].count
     if cfg.train.overfit:
         train_count = min(train_count, cfg.train.overfit)

@@ -24,7 +24,15 @@ from torch import nn
 
 from traincore.checkpoint import Checkpointer, CheckpointError, Store, as_store, step_store
 from traincore.config import Config
-from traincore.data import Manifest, StagedLoader, StagedSplit, autotune
+from traincore.data import (
+    Manifest,
+    StagedLoader,
+    StagedSplit,
+    StreamedSplit,
+    autotune,
+    cache_limit,
+    open_streamed,
+)
 from traincore.model import build_model, init_tensors, parameter_count, shard_units, store_options
 from traincore.run.dist import (
     DistContext,
@@ -102,7 +110,7 @@ class Trainer:
     are restored when the Trainer closes, so code that runs in the same process afterwards is unaffected.
     """
 
-    def __init__(self, cfg: Config, data_dir: str | Path, output_dir: str | Path,
+    def __init__(self, cfg: Config, data_dir: str | Path | Store, output_dir: str | Path,
                  checkpoint_dir: str | Path | Store | None = None, started_at: float | None = None, *,
                  manifest: Manifest | None = None, startup: dict | None = None, attempt: int | None = None):
         self.attempt = attempt
@@ -112,7 +120,8 @@ class Trainer:
             self.startup.mark("launch")
         elif started_at is not None:
             self.startup.mark("imports")
-        self.cfg, self.data_dir, self.output = cfg, Path(data_dir), Path(output_dir)
+        # The staged dataset: a directory (memory-mapped) or an object-store prefix (streamed, data.stream).
+        self.cfg, self.data, self.output = cfg, as_store(data_dir), Path(output_dir)
         self.checkpoint_root = as_store(checkpoint_dir or self.output / "checkpoints")
         if manifest is None:
             manifest = preflight(cfg, data_dir, self.output, self.checkpoint_root)
@@ -147,7 +156,7 @@ class Trainer:
         self.output.mkdir(parents=True, exist_ok=True)
         if ctx.is_main:
             clear_record(self.checkpoint_root)
-        self.loader, self.val_split = training_loader(cfg, self.data_dir, ctx)
+        self.loader, self.val_split = training_loader(cfg, self.data, ctx, stack)
         self.total_steps = total_steps(cfg, self.loader.steps_per_epoch)
         # Where this run stops: the last step, or train.stop_after's (a rung of a search, continued later).
         self.end_step = min(self.total_steps, cfg.train.stop_after or self.total_steps)
@@ -406,15 +415,24 @@ def deterministic_algorithms(enabled: bool) -> Iterator[None]:
         torch.use_deterministic_algorithms(before[0], warn_only=before[1])
 
 
-def training_loader(cfg: Config, data_dir: Path, ctx: DistContext) -> tuple[StagedLoader, StagedSplit]:
-    """This rank's resumable loader over the train split (autotuned when asked), and the val split."""
+def training_loader(cfg: Config, data: Store, ctx: DistContext,
+                    stack: ExitStack) -> tuple[StagedLoader, StagedSplit | StreamedSplit]:
+    """This rank's resumable loader over the train split (autotuned when asked), and the val split; a
+    dataset in an object store is streamed, its cache closed by ``stack`` with the run."""
     normalization = (cfg.data.mean, cfg.data.std) if cfg.data.mean else None
-    train_split, val_split = (StagedSplit(data_dir, split, normalization=normalization)
-                              for split in ("train", "val"))
+    if data.local:
+        train_split, val_split = (StagedSplit(data.path, split, normalization=normalization)
+                                  for split in ("train", "val"))
+    else:
+        train_split, val_split = open_streamed(data, ("train", "val"), cache_limit(cfg.loader.cache_bytes),
+                                               normalization=normalization)
+        for split in (train_split, val_split):
+            stack.callback(split.close)
     if cfg.train.overfit:  # fit a few samples, and measure the fit on those same samples
         train_split = val_split = train_split.first(cfg.train.overfit)
     loader_cfg = cfg.loader
-    if loader_cfg.autotune:
+    if loader_cfg.autotune and not train_split.remote:  # the probe times DataLoader workers, which a
+        # streamed split does not use (its own threads fetch ahead)
         loader_cfg = autotune(train_split, loader_cfg, rank=ctx.rank, world_size=ctx.world_size,
                               seed=cfg.train.seed, device=ctx.device)
     loader = StagedLoader(train_split, loader_cfg, rank=ctx.rank, world_size=ctx.world_size,
