@@ -161,6 +161,7 @@ def test_local_ddp_resumes_from_the_checkpoint_of_the_slurm_nodes(shared_root, s
     assert back.returncode == 0 and "resumed from step 20" in output(back), output(back)[-3000:]
 
 
+@pytest.mark.long  # two Slurm jobs and the search's nodes: about a minute, beyond the suite's 20 minutes
 def test_a_search_trial_trains_as_a_slurm_job_and_resumes_in_the_next_rungs_own(slurm_loopback, tmp_path):
     """tune_pipeline on the Slurm backend: its trial trains to the first rung as a Slurm job on a node of the
     cluster, then goes on, in a second job, from its own rung-0 checkpoint (the halving itself, over many
