@@ -51,6 +51,10 @@ from traincore.checkpoint.format import read_checkpoint
 from traincore.checkpoint.prune import remove_step
 
 pytestmark = pytest.mark.slow
+# The tests of the 2-pod run: its six nodes are pods of their own (a fresh interpreter each), 60 s on a quiet
+# 2-core machine, 121-133 s beside the suite's other worker, over a `make test` test's 120 s: `make
+# test-long` runs them.
+LONG = pytest.mark.long
 
 MAX_STEPS, EVERY = 20, 10
 TRAIN_NODE = "n2-0-dn0"  # the train task inside the @dynamic train_on_backend node
@@ -168,6 +172,7 @@ def test_the_fast_registration_ships_the_code_the_pods_run(fast_package):
     assert {"tasks/train.py", "examples/teamnet/models.py"} <= files, sorted(files)[:20]
 
 
+@LONG
 def test_two_pods_checkpoint_into_s3_every_rank_its_own_shards(two_pods):
     s3, summary = two_pods.s3, two_pods.summary
     train = summary["node_outputs"][TRAIN_NODE]["o0"]
@@ -201,6 +206,7 @@ def test_two_pods_checkpoint_into_s3_every_rank_its_own_shards(two_pods):
     assert_no_secret(s3, two_pods.workdir, two_pods.pristine)
 
 
+@LONG
 def test_flyte_retry_of_the_train_node_resumes_the_root_bitwise(two_pods, tmp_path):
     s3, root, execution = two_pods.s3, two_pods.root, two_pods.summary["execution"]
     # The retry's inputs.pb names the run's own root: put it back as the run left it first.
@@ -226,6 +232,7 @@ def test_flyte_retry_of_the_train_node_resumes_the_root_bitwise(two_pods, tmp_pa
     assert_no_secret(s3, workdir, two_pods.ckpt)
 
 
+@LONG
 def test_one_pod_of_two_processes_resumes_a_copy_of_the_root(two_pods, tmp_path):
     workdir = tmp_path / "one-pod"
     run = resumed_execution(two_pods, workdir, "nnodes=1", "nproc_per_node=2", s3_store=False)
@@ -252,6 +259,7 @@ def test_one_pod_of_two_processes_resumes_a_copy_of_the_root(two_pods, tmp_path)
             assert (end[name] - tensor).abs().sum() <= 0.02 * moved, name
 
 
+@LONG
 def test_one_pod_of_one_multithreaded_process_with_restarts_resumes_a_copy_of_the_root(two_pods, tmp_path):
     workdir = tmp_path / "one-process"
     run = resumed_execution(two_pods, workdir, "nnodes=1", "nproc_per_node=1", "max_restarts=1",
@@ -280,7 +288,7 @@ def published(s3, registry: str, model_dir: str, workdir: Path) -> str:
     return run.stdout.split(": published ")[1].split()[0]
 
 
-@pytest.mark.long  # 8 nodes, a sub-workflow of the pipeline among them: about 120 s after the fixture's run
+@LONG  # 8 nodes, a sub-workflow of the pipeline among them: about 120 s after the fixture's run
 def test_retraining_replays_on_two_pods_warm_started_from_the_registrys_latest(two_pods, tmp_path):
     s3, workdir = two_pods.s3, tmp_path / "retrain"
     registry = f"s3://{s3.bucket}/registry-{uuid.uuid4().hex[:8]}"
