@@ -45,19 +45,38 @@ def tiny_result(results: Path, name: str) -> dict:
     return bench
 
 
-def test_runner_writes_loader_end_to_end_and_validation_tables(tmp_path):
+def run_tiny(tmp_path: Path, *names: str) -> dict:
+    """``bench/run.py --only NAMES --tiny`` into ``tmp_path``: latest.json, parsed, and latest.md."""
     results = tmp_path / "results"
-    done = subprocess.run([sys.executable, "bench/run.py", "--only", "loader", "end_to_end", "validation",
-                           "--tiny", "--results", str(results), "--scratch", str(tmp_path / "scratch")],
+    done = subprocess.run([sys.executable, "bench/run.py", "--only", *names, "--tiny", "--results",
+                           str(results), "--scratch", str(tmp_path / "scratch")],
                           cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
-    report = json.loads((results / "latest.json").read_text())
+    return {**json.loads((results / "latest.json").read_text()), "table": (results / "latest.md").read_text()}
+
+
+def test_runner_writes_loader_and_validation_tables(tmp_path):
+    report = run_tiny(tmp_path, "loader", "validation")
     assert {"cpu", "cores", "ram_gib", "torch", "cuda_device", "git", "date"} <= set(report["machine"])
     by_name = {b["benchmark"]: b for b in report["benchmarks"]}
-    assert "error" not in by_name["loader"] and "error" not in by_name["end_to_end"], by_name
+    assert "error" not in by_name["loader"], by_name
     loaders = [row["loader"] for row in by_name["loader"]["results"]]
     assert loaders == ["naive", "staged", "staged+cpu", "memcpy"]
-    rows = by_name["end_to_end"]["results"]
+    # 8 steps validated every 4 against at the end only: 2 validations and saves against 1.
+    validation = by_name["validation"]
+    assert "error" not in validation, validation
+    assert [(row["case"], row["validations"], row["kept_checkpoints"]) for row in validation["results"]] == [
+        ("end only", 1, 1), ("eval_every=4", 2, 2)]
+    assert validation["ratios"]["eval_every=4/end only"] > 0
+    assert "### loader" in report["table"] and "### validation" in report["table"]
+
+
+@pytest.mark.long  # three whole runs (a plain loop, torchrun, the pyflyte workflow): 75-100 s in the suite
+def test_runner_writes_the_end_to_end_table(tmp_path):
+    report = run_tiny(tmp_path, "end_to_end")
+    (end_to_end,) = report["benchmarks"]
+    assert "error" not in end_to_end, end_to_end
+    rows = end_to_end["results"]
     assert [(row["model"], row["variant"]) for row in rows] == [
         ("vit_tiny", "naive"), ("vit_tiny", "torchrun"), ("vit_tiny", "pyflyte")]
     for row in rows:  # 4 steps, a save every 2: steps 2 and 4
@@ -65,22 +84,16 @@ def test_runner_writes_loader_end_to_end_and_validation_tables(tmp_path):
         assert 0 < row["first_step_s"] <= row["to_n_steps_s"] <= row["command_s"], row
         assert row["peak_rss_gib"] > 0.1, row
         assert row["timed"], row  # every row says what its command does in the time measured
-    assert set(by_name["end_to_end"]["ratios"]) == {"vit_tiny naive/torchrun", "vit_tiny pyflyte/torchrun",
-                                                    "vit_tiny pyflyte/torchrun to N steps"}
+    assert set(end_to_end["ratios"]) == {"vit_tiny naive/torchrun", "vit_tiny pyflyte/torchrun",
+                                         "vit_tiny pyflyte/torchrun to N steps"}
     pyflyte = next(row for row in rows if row["variant"] == "pyflyte")
     torchrun = next(row for row in rows if row["variant"] == "torchrun")
     # The pyflyte ratio is of the whole commands: the workflow (export and evaluation included) over torchrun.
-    assert by_name["end_to_end"]["ratios"]["vit_tiny pyflyte/torchrun"] == pytest.approx(
+    assert end_to_end["ratios"]["vit_tiny pyflyte/torchrun"] == pytest.approx(
         pyflyte["command_s"] / torchrun["command_s"])
-    table = (results / "latest.md").read_text()
+    table = report["table"]
     assert "### end_to_end" in table and "| vit_tiny | pyflyte |" in table
     assert "| vit_tiny naive/torchrun |" in table and ">= 3" in table
-    # 8 steps validated every 4 against at the end only: 2 validations and saves against 1.
-    validation = by_name["validation"]
-    assert "error" not in validation, validation
-    assert [(row["case"], row["validations"], row["kept_checkpoints"]) for row in validation["results"]] == [
-        ("end only", 1, 1), ("eval_every=4", 2, 2)]
-    assert validation["ratios"]["eval_every=4/end only"] > 0
 
 
 def test_a_missing_or_failing_benchmark_becomes_an_error_line(tmp_path):
@@ -160,11 +173,16 @@ def test_merge_keeps_the_benchmarks_not_run_with_their_run(tmp_path):
 
 
 def test_object_store_bench_saves_into_a_local_s3_server_and_compares(tiny_results):
+    """Our dcp save and load beside boto3's upload_file and download_file of the same bytes."""
     bench = tiny_result(tiny_results, "object_store")
     rows = {row["case"]: row for row in bench["results"]}
     dcp = rows["dcp into the store (ours)"]
-    plain = rows["multipart upload of the shards' bytes (s3fs pipe_file)"]
+    plain = rows["boto3 upload_file of the shards' bytes"]
     assert dcp["bytes_mb"] >= plain["bytes_mb"] > 1  # the checkpoint holds the shards and a little more
+    load, download = rows["dcp load from the store (ours)"], rows["boto3 download_file of the shards"]
+    assert load["bytes_mb"] == download["bytes_mb"] == plain["bytes_mb"]
+    assert all(row["seconds"] > 0 for row in rows.values())
     assert rows["async into the store (ours)"]["blocks_s"] > 0
-    assert set(bench["ratios"]) == {"dcp bytes/s over multipart bytes/s",
+    assert set(bench["ratios"]) == {"dcp bytes/s over boto3 upload_file bytes/s",
+                                    "dcp load bytes/s over boto3 download_file bytes/s",
                                     "async blocking over one in-memory copy"}

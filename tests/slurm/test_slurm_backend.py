@@ -287,10 +287,6 @@ def finish(process: subprocess.Popen, timeout: float = 120) -> str:
     return output(communicate(process, timeout))
 
 
-def in_queue(cluster, job: int) -> bool:
-    return bool(cluster.ssh("squeue", "-h", "-j", str(job), check=False).stdout.strip())
-
-
 @contextmanager
 def cancelled_on_failure(cluster, job_name: str) -> Iterator[None]:
     """Cancel this test's job (by its unique name) when the block fails: a job left training would hold
@@ -323,19 +319,18 @@ def test_scancel_from_outside_aborts_the_task(slurm_loopback, tmp_path):
 
 
 def test_ctrl_c_cancels_the_job_and_says_so(slurm_loopback, tmp_path):
-    """flytekit's own Ctrl-C handler for connector tasks never runs the delete; the task's does."""
+    """flytekit's own Ctrl-C handler for connector tasks never runs the delete; the task's does. The run
+    ends once its cancel is sent; the job then leaves the queue as CANCELLED (on a loaded machine its
+    processes may take a while to exit, so the state, not a stopwatch, is the check)."""
     name = f"test-ctrl-c-{uuid.uuid4().hex[:8]}"
     process = start_long_run(slurm_loopback.alias, tmp_path, name)
-    job = running_job(slurm_loopback, name, 1, process)
-    process.send_signal(signal.SIGINT)
-    stopped = time.monotonic()
-    while in_queue(slurm_loopback, job) and time.monotonic() - stopped < 30:
-        time.sleep(0.5)
-    assert not in_queue(slurm_loopback, job), f"job {job} still in squeue 30 s after Ctrl-C"
-    text = finish(process, timeout=30)
-    assert process.returncode == 130 and "Traceback" not in text, text[-3000:]
-    assert f"cancelled Slurm job {job} on {slurm_loopback.alias}" in text, text[-3000:]
-    assert slurm_loopback.finished()[job][0] == "CANCELLED"
+    with cancelled_on_failure(slurm_loopback, name):
+        job = running_job(slurm_loopback, name, 1, process)
+        process.send_signal(signal.SIGINT)
+        text = finish(process, timeout=60)
+        assert process.returncode == 130 and "Traceback" not in text, text[-3000:]
+        assert f"cancelled Slurm job {job} on {slurm_loopback.alias}" in text, text[-3000:]
+        assert slurm_loopback.wait_finished(job, timeout=90)[0] == "CANCELLED"
 
 
 def test_a_worker_killed_in_a_two_node_job_is_named_with_its_rank_and_signal(slurm_loopback, tmp_path):
@@ -449,6 +444,9 @@ def test_a_time_limit_saves_the_step_and_ends_in_two_lines(time_limited_run):
     assert run.jobs == [("FAILED", 2)]  # ended itself, exit 75: not Slurm's TIMEOUT
 
 
+# A third Slurm job of two nodes (60-80 s): for the suite's 20 minutes, `make test` keeps the resume after a
+# SIGTERM of tests/faults/test_preempted_runs.py and the Slurm nodes' resume of a local root above.
+@pytest.mark.long
 def test_the_same_command_resumes_after_a_time_limit(time_limited_run):
     """The same command, with a few more steps, resumes from the step the time limit saved."""
     run = time_limited_run

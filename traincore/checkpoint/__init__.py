@@ -18,6 +18,7 @@ rank 0 writes the commit marker (commit) and prunes older steps (prune). A resum
     writer        our checksummed, direct-I/O writer of state.pt and extra.pt
     snapshot      the in-memory copy an ``async`` save writes while training goes on
     store         where the files live: a local directory or an object-store prefix (fsspec), one interface
+    upload        a stream that uploads its parts several at once into S3-compatible stores
 
 Other packages import from here, never from the modules.
 """
@@ -44,12 +45,14 @@ from traincore.checkpoint.selection import (
     step_metrics,
 )
 from traincore.checkpoint.store import STORE_ACCESS_FIX, Store, as_store, error_reason, is_uri
+from traincore.checkpoint.upload import MultipartUpload
 
 __all__ = [
     "as_store", "best_step", "check_fit", "Checkpointer", "CheckpointError", "CheckpointWriteError",
     "error_reason", "HIGHER_IS_BETTER", "STORE_ACCESS_FIX",
     "choose_step", "complete_steps", "CorruptCheckpointError", "FORMAT_VERSION", "improves", "is_uri",
-    "latest_complete", "MARKER", "open_saved", "parse_step_name", "read_checkpoint", "read_marker",
+    "latest_complete", "MARKER", "MultipartUpload", "open_saved", "parse_step_name", "read_checkpoint",
+    "read_marker",
     "RunFit", "SaveStats", "select_step", "SELECTIONS", "step_dir", "step_metrics", "step_store", "Store",
     "verify_checkpoint",
 ]

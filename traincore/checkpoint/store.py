@@ -24,10 +24,13 @@ from typing import IO
 import fsspec
 import fsspec.core
 
+from traincore.checkpoint.upload import PART_BYTES, MultipartUpload
 from traincore.files import fsync_path, write_atomically
 
 # Listings must see what other ranks and nodes wrote a moment ago: fsspec's directory cache would not.
 _FRESH = {"refresh": True}
+# A large remote file is read in ranges of this size, concurrently (fsspec's cat_ranges).
+READ_PART_BYTES = PART_BYTES
 
 
 STORE_ACCESS_FIX = ("check that the object exists and that this machine reaches the store with credentials "
@@ -148,16 +151,25 @@ class Store:
 
     def open(self, name: str, mode: str = "rb") -> IO[bytes]:
         """The file ``name`` opened in binary ``mode`` (FileNotFoundError when it is absent for reading);
-        a remote file opened for writing is uploaded as it fills (multipart) and committed on close."""
+        a remote file opened for writing is uploaded as it fills (on S3 several parts at once,
+        traincore.checkpoint.upload) and committed on close."""
         if self.local:
             return open(self.path / name, mode)
+        if mode == "wb" and hasattr(self.fs, "call_s3"):
+            return MultipartUpload(self.fs, self._key(name))
         return self.fs.open(self._key(name), mode)
 
     def read_bytes(self, name: str) -> bytes:
-        """The whole file ``name``."""
+        """The whole file ``name``; a remote one larger than a few parts in concurrent ranged GETs (a
+        single GET streams at one connection's speed)."""
         if self.local:
             return (self.path / name).read_bytes()
-        return self.fs.cat_file(self._key(name))
+        size = self.size(name)
+        if size is None or size <= 2 * READ_PART_BYTES:
+            return self.fs.cat_file(self._key(name))
+        parts = [(name, start, min(READ_PART_BYTES, size - start))
+                 for start in range(0, size, READ_PART_BYTES)]
+        return b"".join(self.read_ranges(parts))
 
     def read_ranges(self, ranges: list[tuple[str, int, int]]) -> list[bytes]:
         """The byte ranges ``(name, offset, length)``; remote ones fetched concurrently (fsspec's
@@ -181,6 +193,9 @@ class Store:
         if self.local:
             (self.path / name).parent.mkdir(parents=True, exist_ok=True)
             write_atomically(self.path / name, bytes(data))
+        elif hasattr(self.fs, "call_s3"):
+            with MultipartUpload(self.fs, self._key(name)) as upload:
+                upload.write(data)
         else:
             self.fs.pipe_file(self._key(name), bytes(data))
         return {"bytes": len(data), "crc32": f"{zlib.crc32(data):08x}"}
