@@ -1,6 +1,6 @@
 """Stage a dataset source into the memory-mappable format (traincore.data.staging), from the command line.
 
-    python -m traincore.stage --source digits --output DIR [--image-size N] [--seed S]
+    python -m traincore.stage --source digits --output DIR [--image-size N] [--seed S] [--partitions P]
 """
 
 from __future__ import annotations
@@ -34,6 +34,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--samples-per-shard", type=int, default=defaults.samples_per_shard)
     parser.add_argument("--decode-workers", type=int, default=0,
                         help="imagefolder decode processes (0 = cores)")
+    parser.add_argument("--partitions", type=int, default=1,
+                        help="stage in this many partitions in parallel processes, each a run of whole "
+                             "shards (the same bytes as one); 0 = one per 4 GiB of staged pixels")
     parser.add_argument("--overwrite", action="store_true", help="replace an existing, different staging")
     return parser.parse_args(argv)
 
@@ -49,7 +52,7 @@ def main(argv: list[str] | None = None) -> int:
                          synthetic_samples=args.samples, synthetic_classes=args.classes,
                          samples_per_shard=args.samples_per_shard, decode_workers=args.decode_workers)
         start = time.perf_counter()
-        manifest = stage(cfg, args.output, overwrite=args.overwrite)
+        manifest = stage(cfg, args.output, overwrite=args.overwrite, partitions=args.partitions)
     except (ConfigError, StagingError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2

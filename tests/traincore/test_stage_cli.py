@@ -19,13 +19,13 @@ def run_cli(*args: str) -> subprocess.CompletedProcess:
 def test_stages_and_prints_a_summary(tmp_path):
     output = tmp_path / "data"
     result = run_cli("--source", "synthetic", "--samples", "60", "--classes", "3", "--image-size", "8",
-                     "--output", str(output))
+                     "--samples-per-shard", "16", "--partitions", "2", "--output", str(output))
     assert result.returncode == 0, result.stderr
     expected = "staged synthetic: 3 classes, 3x8x8 uint8, train 48, val 6, test 6 samples"
     assert result.stdout.startswith(expected)
     assert f"-> {output} (" in result.stdout
     manifest = Manifest.load(output)
-    assert manifest.splits["train"].count == 48
+    assert manifest.splits["train"].count == 48 and len(manifest.splits["train"].shards) == 3
     assert manifest.source_fingerprint.startswith("synthetic:sha256:")
     assert f"samples, source {manifest.source_fingerprint} -> {output}" in result.stdout
 
@@ -40,6 +40,7 @@ def test_bad_source_exits_2_with_error(tmp_path):
 @pytest.mark.parametrize(("args", "message"), [
     (["--source", "digits", "--image-size", "0"], "error: data.image_size=0"),
     (["--source", "synthetic", "--decode-workers", "-1"], "error: data.decode_workers=-1"),
+    (["--source", "synthetic", "--partitions", "-1"], "error: partitions=-1: give a whole number >= 1"),
     (["--source", "imagefolder:/does/not/exist"],
      "error: imagefolder location '/does/not/exist' does not exist"),
 ])

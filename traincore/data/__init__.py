@@ -7,6 +7,7 @@
     pysource     ``python:<module>:<callable>``: a user's dataset of (image, label) items
     decode       image conversion to the staged shape, and the process pool that decodes a source's chunks
     staging      decode a source once into size-capped uint8 shards, published atomically
+    partitions   a staging split into runs of whole shards staged apart, joined by one manifest
     progress     staging's progress lines (items, bytes, rate) for every source
     manifest     the staged format: manifest.json, its records, and the integrity checks every reader runs
     stream       a staged dataset in an object store, read sample by sample into a bounded node-local cache
@@ -19,7 +20,8 @@ from traincore.data.autotune import autotune
 from traincore.data.fingerprint import source_fingerprint
 from traincore.data.loader import Normalizer, StagedLoader, StagedSplit, epoch_batches, eval_batches
 from traincore.data.manifest import FORMAT_VERSION, Manifest, StagingError, verify_staging
-from traincore.data.staging import directory_bytes, stage, staging_key, summary
+from traincore.data.partitions import PartitionRecord, choose_partitions, staging_key
+from traincore.data.staging import directory_bytes, stage, stage_partition, summary
 from traincore.data.stream import (
     Batch,
     StreamedSplit,
@@ -31,8 +33,9 @@ from traincore.data.stream import (
 )
 
 __all__ = [
-    "autotune", "Batch", "cache_limit", "dataset_manifest", "directory_bytes", "epoch_batches",
-    "eval_batches", "FORMAT_VERSION", "Manifest", "Normalizer", "open_streamed", "source_fingerprint",
-    "stage", "StagedLoader", "StagedSplit", "staging_key", "StagingError", "StreamedSplit", "StreamError",
-    "summary", "verify_staging", "verify_streamed",
+    "autotune", "Batch", "cache_limit", "choose_partitions", "dataset_manifest", "directory_bytes",
+    "epoch_batches", "eval_batches", "FORMAT_VERSION", "Manifest", "Normalizer", "open_streamed",
+    "PartitionRecord", "source_fingerprint", "stage", "stage_partition", "StagedLoader", "StagedSplit",
+    "staging_key", "StagingError", "StreamedSplit", "StreamError", "summary", "verify_staging",
+    "verify_streamed",
 ]

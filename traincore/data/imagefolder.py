@@ -48,7 +48,7 @@ import numpy as np
 from traincore.config import DataConfig
 from traincore.data.decode import CHUNK, convert, decoded_chunks, fit
 from traincore.data.manifest import SPLITS, StagingError
-from traincore.data.sources import Source, chunk_images
+from traincore.data.sources import Chunk, Ranges, Source, chunk_images
 
 log = logging.getLogger(__name__)
 
@@ -266,14 +266,19 @@ def _decode_chunk(paths: list[str], labels: np.ndarray, size: int, channels: int
 
 
 def imagefolder_source(listing: ImageListing, cfg: DataConfig, storage_options: dict | None = None) -> Source:
-    """Class names, image count and the (split, images, labels) chunk stream for a listed ImageFolder tree;
-    only the listed files are read, through fsspec with ``storage_options`` (as listed)."""
+    """Class names, samples per split and the reader of (split, images, labels) chunks for a listed
+    ImageFolder tree; only the listed files are read, through fsspec with ``storage_options`` (as listed)."""
     options = storage_options or {}
     per_task = chunk_images(cfg.channels * cfg.image_size ** 2, CHUNK)
-    jobs = []
-    for split, picked in assign_splits(listing.files, cfg).items():
-        for lo in range(0, len(picked), per_task):
-            part = picked[lo:lo + per_task]
-            labels = np.array([f.label for f in part], dtype=np.int64)
-            jobs.append((split, ([f.path for f in part], labels, cfg.image_size, cfg.channels, options)))
-    return Source(listing.classes, len(listing.files), decoded_chunks(jobs, _decode_chunk, cfg, per_task))
+    splits = assign_splits(listing.files, cfg)
+
+    def read(ranges: Ranges) -> Iterator[Chunk]:
+        jobs = []
+        for split, (first, last) in ranges.items():
+            for lo in range(first, last, per_task):
+                part = splits[split][lo:min(lo + per_task, last)]
+                labels = np.array([f.label for f in part], dtype=np.int64)
+                jobs.append((split, ([f.path for f in part], labels, cfg.image_size, cfg.channels, options)))
+        return decoded_chunks(jobs, _decode_chunk, cfg, per_task)
+
+    return Source(listing.classes, {split: len(files) for split, files in splits.items()}, read)

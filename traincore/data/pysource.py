@@ -30,7 +30,7 @@ from traincore.config import DataConfig
 from traincore.data.decode import CHUNK, convert, decoded_chunks, fit
 from traincore.data.imagefolder import split_indices
 from traincore.data.manifest import StagingError
-from traincore.data.sources import Chunk, Source, chunk_images
+from traincore.data.sources import Chunk, Ranges, Source, chunk_images
 from traincore.imports import import_callable
 
 log = logging.getLogger(__name__)
@@ -219,21 +219,20 @@ def _load_chunk(path: str, indices: list[int], size: int, channels: int) -> tupl
 
 
 def python_source(path: str, cfg: DataConfig) -> Source:
-    """Class names, sample count and the (split, images, labels) chunk stream of the dataset at ``path``.
+    """Class names, samples per split and the reader of (split, images, labels) chunks of the dataset at
+    ``path``.
 
     Without a ``classes`` attribute the class names are the label numbers, known once every item is read:
-    the list the Source holds is filled in when the stream ends (the stager reads it after the stream),
-    and the stream ends in a StagingError instead when the labels are not a class index
-    (:func:`label_classes`)."""
+    the reader records each label's first item in ``Source.first_item`` and the stager names the classes
+    with :func:`label_classes` when every range is read, which refuses labels that are not a class index."""
     dataset = open_dataset(path)
-    classes = list(dataset.classes) if dataset.classes is not None else []
     per_task = chunk_images(cfg.channels * cfg.image_size ** 2, CHUNK)
-    jobs = [(split, (path, picked[lo:lo + per_task], cfg.image_size, cfg.channels))
-            for split, picked in split_indices([str(i) for i in range(dataset.count)], cfg).items()
-            for lo in range(0, len(picked), per_task)]
+    splits = split_indices([str(i) for i in range(dataset.count)], cfg)
+    first_item: dict[int, int] = {}
 
-    def chunks() -> Iterator[Chunk]:
-        first_item: dict[int, int] = {}
+    def read(ranges: Ranges) -> Iterator[Chunk]:
+        jobs = [(split, (path, splits[split][lo:min(lo + per_task, last)], cfg.image_size, cfg.channels))
+                for split, (first, last) in ranges.items() for lo in range(first, last, per_task)]
         # decoded_chunks yields one chunk per job, in job order: each job's indices name its items.
         for (split, images, labels), (_, (_, indices, _, _)) in zip(
                 decoded_chunks(jobs, _load_chunk, cfg, per_task), jobs, strict=True):
@@ -241,8 +240,7 @@ def python_source(path: str, cfg: DataConfig) -> Source:
                 if index < first_item.setdefault(label, index):
                     first_item[label] = index
             yield split, images, labels
-        names = label_classes(path, first_item)
-        if not classes:
-            classes.extend(names)
 
-    return Source(classes, dataset.count, chunks())
+    classes = list(dataset.classes) if dataset.classes is not None else []
+    return Source(classes, {split: len(picked) for split, picked in splits.items()}, read, first_item,
+                  lambda merged: label_classes(path, merged))

@@ -1,16 +1,18 @@
 """Built-in dataset sources and the split arithmetic every source shares.
 
-A source is ``Source(class names, sample count, chunks)``: the chunks are ``(split, images uint8 NCHW,
-labels int64)`` in split order, each split's samples fixed by ``cfg.seed``, each at most CHUNK_BYTES of
-pixels (at least one image), so staging memory does not grow with the image size or the sample count.
+A source is ``Source(class names, samples per split, read)``: ``read(ranges)`` gives the chunks ``(split,
+images uint8 NCHW, labels int64)`` of the asked sample ranges of each split, in split order, each split's
+samples fixed by ``cfg.seed``, each chunk at most CHUNK_BYTES of pixels (at least one image), so staging
+memory does not grow with the image size or the sample count. A range's bytes never depend on the ranges
+around it: partitions of a source (traincore.data.partitions) staged apart give the bytes of one staging.
 traincore.data.imagefolder adds the ImageFolder source; traincore.stage picks one by ``cfg.source`` and writes
 its chunks.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-from typing import NamedTuple
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -19,16 +21,34 @@ from traincore.data.digits import read_digits
 from traincore.data.manifest import StagingError
 
 Chunk = tuple[str, np.ndarray, np.ndarray]
+Ranges = dict[str, tuple[int, int]]  # split -> [lo, hi) of its samples, in the split's staged order
+Block = tuple[int, np.ndarray, np.ndarray]  # (offset in the block, images, labels)
 CHUNK_BYTES = 64 << 20  # pixels per chunk (and per float32 resize group): memory is bounded by this, not N
 BAND = 1 << 20  # float values per arithmetic band of the synthetic source (8 MiB of float64 noise)
+BLOCK = 1024  # synthetic samples per generator: a range of the source starts at most this many samples late
 
 
-class Source(NamedTuple):
-    """What a source gives the stager: class names, the total sample count and the chunk stream."""
+@dataclass
+class Source:
+    """What a source gives the stager: class names, the samples of each split and a reader of ranges."""
 
-    classes: list[str]
-    count: int
-    chunks: Iterator[Chunk]
+    classes: list[str]  # empty: the labels name the classes, known once every item is read (name_classes)
+    counts: dict[str, int]  # samples per split, in SPLITS order
+    read: Callable[[Ranges], Iterator[Chunk]]
+    # Sources that learn about their labels as they are read (python:): label -> lowest item identity with
+    # it, filled by ``read`` (merged across partitions by their minimum), and what turns the merged map into
+    # the class names, with a warning for classes no item has, or an error for labels that name no class.
+    first_item: dict[int, int] = field(default_factory=dict)
+    name_classes: Callable[[dict[int, int]], list[str]] | None = None
+
+    @property
+    def count(self) -> int:
+        """All samples, every split."""
+        return sum(self.counts.values())
+
+    def chunks(self) -> Iterator[Chunk]:
+        """Every sample of every split."""
+        return self.read({split: (0, count) for split, count in self.counts.items()})
 
 
 def split_counts(total: int, cfg: DataConfig) -> dict[str, int]:
@@ -89,16 +109,16 @@ def digits_source(cfg: DataConfig) -> Source:
     images = np.repeat(images[order][:, None], cfg.channels, axis=1)
     labels = labels[order]
     per_chunk = chunk_images(cfg.channels * cfg.image_size ** 2, 512)
+    counts = split_counts(len(labels), cfg)
+    starts = dict(zip(counts, np.cumsum([0, *counts.values()]).tolist(), strict=False))
 
-    def chunks() -> Iterator[Chunk]:
-        start = 0
-        for split, count in split_counts(len(labels), cfg).items():
-            for lo in range(start, start + count, per_chunk):
-                hi = min(lo + per_chunk, start + count)
+    def read(ranges: Ranges) -> Iterator[Chunk]:
+        for split, (first, last) in ranges.items():
+            for lo in range(starts[split] + first, starts[split] + last, per_chunk):
+                hi = min(lo + per_chunk, starts[split] + last)
                 yield split, _resize_batch(images[lo:hi], cfg.image_size), labels[lo:hi]
-            start += count
 
-    return Source([str(d) for d in range(10)], len(labels), chunks())
+    return Source([str(d) for d in range(10)], counts, read)
 
 
 class _Templates:
@@ -139,28 +159,38 @@ def synthetic_source(cfg: DataConfig) -> Source:
     coarse = rng.uniform(0, 255, size=(cfg.synthetic_classes, cfg.channels, 4, 4)).astype(np.float32)
     templates = _Templates(coarse, cfg.image_size)
     sample = cfg.channels * cfg.image_size ** 2
-    per_chunk = chunk_images(sample, 1024)
+    per_chunk = chunk_images(sample, BLOCK)
     per_band = max(1, BAND // sample)  # whole images per band; one image is split into bands if larger
     shape = (cfg.channels, cfg.image_size, cfg.image_size)
+    counts = split_counts(cfg.synthetic_samples, cfg)
 
-    def chunks() -> Iterator[Chunk]:
-        for split_index, (split, count) in enumerate(split_counts(cfg.synthetic_samples, cfg).items()):
-            for chunk_index, lo in enumerate(range(0, count, 1024)):
-                n = min(1024, count - lo)
-                # Each chunk has its own generator: its bytes do not depend on how many chunks came before.
-                local = np.random.default_rng([cfg.seed, split_index, chunk_index])
-                labels = local.integers(0, cfg.synthetic_classes, size=n, dtype=np.int64)
-                gain = local.uniform(0.7, 1.3, size=(n, 1, 1, 1)).astype(np.float32).reshape(n, 1)
-                for first in range(0, n, per_chunk):
-                    last = min(first + per_chunk, n)
-                    images = np.empty((last - first, sample), dtype=np.uint8)
-                    for i in range(first, last, per_band):
-                        j = min(i + per_band, last)
-                        for a in range(0, sample, BAND):
-                            b = min(a + BAND, sample)
-                            noise = local.normal(0, 40, size=(j - i, b - a)).astype(np.float32)
-                            values = templates.rows(labels[i:j], a, b) * gain[i:j] + noise
-                            images[i - first:j - first, a:b] = np.clip(values, 0, 255, out=values)
-                    yield split, images.reshape(last - first, *shape), labels[first:last]
+    def block(split_index: int, index: int, n: int, stop: int) -> Iterator[Block]:
+        """(offset, images, labels) of the block's first ``stop`` of ``n`` samples. Each block has its own
+        generator: its bytes do not depend on the blocks before it, only on its own earlier samples."""
+        local = np.random.default_rng([cfg.seed, split_index, index])
+        labels = local.integers(0, cfg.synthetic_classes, size=n, dtype=np.int64)
+        gain = local.uniform(0.7, 1.3, size=(n, 1, 1, 1)).astype(np.float32).reshape(n, 1)
+        for first in range(0, stop, per_chunk):
+            last = min(first + per_chunk, n)
+            images = np.empty((last - first, sample), dtype=np.uint8)
+            for i in range(first, last, per_band):
+                j = min(i + per_band, last)
+                for a in range(0, sample, BAND):
+                    b = min(a + BAND, sample)
+                    noise = local.normal(0, 40, size=(j - i, b - a)).astype(np.float32)
+                    values = templates.rows(labels[i:j], a, b) * gain[i:j] + noise
+                    images[i - first:j - first, a:b] = np.clip(values, 0, 255, out=values)
+            yield first, images.reshape(last - first, *shape), labels[first:last]
 
-    return Source([f"class_{k}" for k in range(cfg.synthetic_classes)], cfg.synthetic_samples, chunks())
+    def read(ranges: Ranges) -> Iterator[Chunk]:
+        for split, (lo, hi) in ranges.items():
+            split_index, count = list(counts).index(split), counts[split]
+            for start in range(lo - lo % BLOCK, hi, BLOCK):
+                n = min(BLOCK, count - start)
+                # A range that starts inside a block draws (and drops) the block's samples before it.
+                for offset, images, labels in block(split_index, start // BLOCK, n, min(n, hi - start)):
+                    a, b = max(lo - start - offset, 0), min(hi - start - offset, len(labels))
+                    if a < b:
+                        yield split, images[a:b], labels[a:b]
+
+    return Source([f"class_{k}" for k in range(cfg.synthetic_classes)], counts, read)

@@ -14,14 +14,18 @@ grew or changed) is staged again in its place; one that matches is reused.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import errno
+import functools
 import hashlib
 import logging
+import multiprocessing
 import os
 import shutil
+import sys
 import uuid
 from collections.abc import Callable
-from dataclasses import asdict
+from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 from typing import BinaryIO
 
@@ -38,6 +42,14 @@ from traincore.data.manifest import (
     SplitInfo,
     StagingError,
     verify_staging,
+)
+from traincore.data.partitions import (
+    PartitionRecord,
+    check_partitions,
+    choose_partitions,
+    merge_records,
+    partition_ranges,
+    staging_key,
 )
 from traincore.data.progress import ProgressMeter
 from traincore.data.pysource import python_source
@@ -72,8 +84,9 @@ def _image_digests(rows: np.ndarray) -> np.ndarray:
 class _ShardWriter:
     """Appends chunks of one split to size-capped shards, hashing as it writes."""
 
-    def __init__(self, directory: Path, split: str, per_shard: int):
+    def __init__(self, directory: Path, split: str, per_shard: int, first_shard: int = 0):
         self.directory, self.split, self.per_shard = directory, split, per_shard
+        self.first_shard = first_shard  # the staging-wide index of this writer's first shard (its name)
         self.info = SplitInfo()
         self._files: list[BinaryIO] = []  # the open shard's images and labels files; empty between shards
         self._hashes: list = []
@@ -110,7 +123,7 @@ class _ShardWriter:
         self._files = []
 
     def _names(self) -> tuple[str, str, str]:
-        stem = f"{self.split}-{len(self.info.shards):05d}"
+        stem = f"{self.split}-{self.first_shard + len(self.info.shards):05d}"
         return f"{stem}.u8", f"{stem}.labels.i64", f"{stem}.sha256"
 
     def _start(self) -> None:
@@ -147,13 +160,17 @@ def _channel_moments(images: np.ndarray) -> tuple[list[int], list[int]]:
     return sums, squares
 
 
-def _write_all(tmp: Path, cfg: DataConfig, source: Source, fingerprint: str,
-               progress: Callable[[str], None]) -> Manifest:
-    writers = {split: _ShardWriter(tmp, split, cfg.samples_per_shard) for split in SPLITS}
+def write_partition(directory: Path, cfg: DataConfig, source: Source, fingerprint: str, index: int = 0,
+                    partitions: int = 1, progress: Callable[[str], None] = log.info) -> PartitionRecord:
+    """Write partition ``index`` of ``partitions`` of ``source`` (traincore.data.partitions) into
+    ``directory`` as shards named by their place in the whole staging; its record for the manifest."""
+    ranges = partition_ranges(source.counts, cfg.samples_per_shard, partitions)[index]
+    writers = {split: _ShardWriter(directory, split, cfg.samples_per_shard, lo // cfg.samples_per_shard)
+               for split, (lo, _) in ranges.items()}
     sums, squares, pixels = [0] * cfg.channels, [0] * cfg.channels, 0
-    meter = ProgressMeter(source.count, progress)
+    meter = ProgressMeter(sum(hi - lo for lo, hi in ranges.values()), progress)
     try:
-        for split, images, labels in source.chunks:
+        for split, images, labels in source.read(ranges):
             if split == "train":
                 chunk_sums, chunk_squares = _channel_moments(images)
                 sums = [a + b for a, b in zip(sums, chunk_sums, strict=True)]
@@ -166,17 +183,52 @@ def _write_all(tmp: Path, cfg: DataConfig, source: Source, fingerprint: str,
         meter.close()
         for writer in writers.values():
             writer.discard()
-    mean = np.array(sums, dtype=np.float64) / (255.0 * max(pixels, 1))
-    second = np.array(squares, dtype=np.float64) / (255.0 ** 2 * max(pixels, 1))
-    std = np.sqrt(np.maximum(second - mean ** 2, 1e-12))
-    return Manifest(source=cfg.source, source_fingerprint=fingerprint, classes=source.classes,
-                    shape=(cfg.channels, cfg.image_size, cfg.image_size),
-                    mean=[round(float(m), 6) for m in mean], std=[round(float(s), 6) for s in std],
-                    seed=cfg.seed, splits=splits, config=staging_key(cfg))
+    return PartitionRecord(index, partitions, fingerprint, list(source.classes), splits, sums, squares,
+                           pixels, dict(source.first_item))
+
+
+def stage_partition(cfg: DataConfig, directory: str | Path, index: int, partitions: int, fingerprint: str, *,
+                    progress: Callable[[str], None] = log.info,
+                    storage_options: dict | None = None) -> PartitionRecord:
+    """Stage partition ``index`` of ``partitions`` into ``directory`` (which must exist), in its own task or
+    process: the source is opened again and must still be the state ``fingerprint`` names, so partitions of
+    one staging never mix two states of a source."""
+    source, now = open_source(cfg, progress, storage_options)
+    if now != fingerprint:
+        raise StagingError(f"{cfg.source} changed while it was being staged (it was {fingerprint} when the "
+                           f"staging began, it is {now} now): stage it again once it stops changing")
+    return write_partition(Path(directory), cfg, source, fingerprint, index, partitions, progress)
+
+
+def _partition_lines(prefix: str, line: str) -> None:
+    """A partition process's progress line, on stderr as the parent's log lines are."""
+    print(f"{prefix}: {line}", file=sys.stderr, flush=True)
+
+
+def _write_partitions(tmp: Path, cfg: DataConfig, source: Source, fingerprint: str, partitions: int,
+                      progress: Callable[[str], None], storage_options: dict | None) -> Manifest:
+    """All partitions into ``tmp``: one in this process, several in their own processes (spawned: the
+    parent may have run torch's thread pool, which a forked child cannot use), sharing the decode workers;
+    then the manifest from their records."""
+    if partitions == 1:
+        return merge_records(cfg, [write_partition(tmp, cfg, source, fingerprint, progress=progress)],
+                             source.name_classes)
+    workers = min(partitions, os.cpu_count() or 1)
+    each = dataclasses.replace(cfg, decode_workers=max(1, (cfg.decode_workers or os.cpu_count() or 1)
+                                                       // workers))
+    with ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("spawn")) as pool:
+        futures = [pool.submit(stage_partition, each, tmp, index, partitions, fingerprint,
+                               progress=functools.partial(_partition_lines,
+                                                          f"partition {index + 1}/{partitions}"),
+                               storage_options=storage_options)
+                   for index in range(partitions)]
+        records = [future.result() for future in futures]
+    return merge_records(cfg, records, source.name_classes)
 
 
 def stage(cfg: DataConfig, output: str | Path, overwrite: bool = False, *, replace_unusable: bool = False,
-          progress: Callable[[str], None] = log.info, storage_options: dict | None = None) -> Manifest:
+          progress: Callable[[str], None] = log.info, storage_options: dict | None = None,
+          partitions: int = 1) -> Manifest:
     """Stage ``cfg.source`` into ``output`` atomically and return its manifest.
 
     An existing complete staging of the same settings and source fingerprint is verified and reused; if
@@ -187,9 +239,13 @@ def stage(cfg: DataConfig, output: str | Path, overwrite: bool = False, *, repla
     different staging there is replaced. ``progress`` gets the imagefolder listing's progress lines and,
     away from a terminal, the staging's (:class:`~traincore.data.progress.ProgressMeter`);
     ``storage_options`` are the fsspec options an imagefolder is read with (see :func:`open_source`).
+    ``partitions`` > 1 stages that many partitions in parallel processes (traincore.data.partitions; the
+    same bytes as one), 0 chooses the count from the source's size.
     """
+    check_partitions(partitions)
     output = Path(output)
     source, fingerprint = open_source(cfg, progress, storage_options)
+    partitions = partitions or choose_partitions(cfg, source.count)
     if output.exists() and not overwrite:
         existing = _reusable(output, cfg, fingerprint, replace_unusable)
         if existing is not None:
@@ -203,7 +259,7 @@ def stage(cfg: DataConfig, output: str | Path, overwrite: bool = False, *, repla
     except OSError as exc:
         raise _os_error(exc, output, tmp, setup=True) from exc
     try:
-        manifest = _write_all(tmp, cfg, source, fingerprint, progress)
+        manifest = _write_partitions(tmp, cfg, source, fingerprint, partitions, progress, storage_options)
         _publish(tmp, output, manifest)
     except BaseException as exc:
         shutil.rmtree(tmp, ignore_errors=True)
@@ -289,13 +345,6 @@ def _reusable(output: Path, cfg: DataConfig, fingerprint: str, replace_unusable:
         log.warning("the staging at %s fails verification, staging it again in its place: %s", output, exc)
         return None
     return manifest
-
-
-def staging_key(cfg: DataConfig) -> dict:
-    """The DataConfig fields that change the staged bytes (decode parallelism does not)."""
-    key = asdict(cfg)
-    key.pop("decode_workers")
-    return key
 
 
 def summary(manifest: Manifest) -> str:

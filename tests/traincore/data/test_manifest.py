@@ -147,10 +147,10 @@ def test_failing_source_leaves_nothing(synthetic_config, tmp_path, monkeypatch):
     import traincore.data.staging
 
     def failing(cfg):
-        def chunks():
+        def read(ranges):
             yield "train", np.zeros((4, 3, 8, 8), np.uint8), np.zeros(4, np.int64)
             raise OSError("source went away")
-        return Source(["a", "b"], 100, chunks())
+        return Source(["a", "b"], {"train": 100, "val": 0, "test": 0}, read)
 
     monkeypatch.setattr(traincore.data.staging, "synthetic_source", failing)
     with pytest.raises(OSError, match="source went away"):
