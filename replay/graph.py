@@ -1,11 +1,12 @@
 """Walk a workflow as propeller does: nodes in dependency order, bindings resolved from earlier outputs,
-dynamic nodes expanded from their futures.pb (DynamicJobSpec), pytorch tasks run as a PyTorchJob."""
+dynamic nodes expanded from their futures.pb (DynamicJobSpec), pytorch tasks run as a PyTorchJob, array
+nodes (map tasks) as one pod per element."""
 
 from __future__ import annotations
 
 import json
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from flyteidl.core import dynamic_job_pb2, errors_pb2, literals_pb2, tasks_pb2, workflow_pb2
@@ -15,6 +16,9 @@ from replay.pod import PodResult, PodSpec, flyte_env, render_args, run_pods
 from replay.store import ERROR, FUTURES, OUTPUTS, Execution, NodePaths, Store
 
 IGNORE_OUTPUTS = "IgnoreOutputs received"  # flytekit's entrypoint logs this when a pod must not write outputs
+# The element index propeller gives each pod of an array node, and the variable naming it (flytepropeller
+# pkg/controller/nodes/array/execution_context.go).
+ARRAY_INDEX = {"BATCH_JOB_ARRAY_INDEX_VAR_NAME": "FLYTE_K8S_ARRAY_INDEX"}
 
 
 class NodeFailed(RuntimeError):
@@ -53,8 +57,12 @@ class Replay:
             if node.WhichOneof("target") == "workflow_node":
                 outputs[node.id] = self.run_subworkflow(f"{prefix}{node.id}", node, tasks, outputs)
                 continue
+            if node.WhichOneof("target") == "array_node":
+                outputs[node.id] = self.run_array(f"{prefix}{node.id}", node, tasks, outputs)
+                continue
             if node.WhichOneof("target") != "task_node":
-                raise NotImplementedError(f"node {node.id}: only task nodes and sub-workflows are replayed")
+                raise NotImplementedError(f"node {node.id}: only task, array and sub-workflow nodes are "
+                                          "replayed")
             template = tasks[node.task_node.reference_id.name]
             if node.task_node.overrides.ListFields():  # propeller would merge these into the pod spec
                 print(f"replay: warning: node {node.id} has task overrides, which are not replayed: "
@@ -77,6 +85,45 @@ class Replay:
         result = literals.bind_inputs(workflow.outputs, inner)
         self.node_outputs[node_id] = result
         return result
+
+    def run_array(self, node_id: str, node, tasks: dict[str, tasks_pb2.TaskTemplate],
+                  outputs: dict) -> literals_pb2.LiteralMap:
+        """A map task as propeller's ArrayNode runs it: every element's pod side by side (up to the node's
+        parallelism), each reading the node's whole inputs.pb and picking its element by the index in
+        FLYTE_K8S_ARRAY_INDEX (as flytekit's pyflyte-map-execute does), each writing outputs.pb under
+        ``<output prefix>/<index>``; the node's outputs are the elements' outputs gathered into lists."""
+        array = node.array_node
+        template = tasks[array.node.task_node.reference_id.name]
+        inputs = literals.bind_inputs(node.inputs, outputs)
+        mapped = [name for name, literal in inputs.literals.items()
+                  if literal.HasField("collection") and name not in array.bound_inputs]
+        size = len(inputs.literals[mapped[0]].collection.literals) if mapped else 0
+        paths = self.store.node_paths(self.execution, node_id, self.attempt)
+        self.store.write(paths.inputs, inputs.SerializeToString())
+        env = flyte_env(template, self.execution, attempt=self.attempt)
+        width = array.parallelism or size
+        started = time.monotonic()
+        for first in range(0, size, max(width, 1)):
+            pods = [PodSpec(f"{self.execution.name}-{node_id}-{i}-{self.attempt}",
+                            render_args(template.container.args, element_paths(paths, i), self.code_location),
+                            {**env, **ARRAY_INDEX, "FLYTE_K8S_ARRAY_INDEX": str(i)})
+                    for i in range(first, min(first + width, size))]
+            self._run(node_id, pods)
+        print(f"replay: node {node_id:<10} {template.id.name:<45} {size} pod(s) "
+              f"{time.monotonic() - started:7.1f} s", flush=True)
+        elements = []
+        for i in range(size):
+            element = element_paths(paths, i)
+            self._raise_task_error(f"{node_id}[{i}]", element)
+            elements.append(self._read_outputs(f"{node_id}[{i}]", template, element))
+        self.timings.append(NodeTiming(node_id, template.id.name, time.monotonic() - started, size))
+        gathered = literals_pb2.LiteralMap()
+        for name in template.interface.outputs.variables:
+            collection = gathered.literals[name].collection
+            collection.literals.extend(element.literals[name] for element in elements)
+        self.store.write(f"{paths.output_prefix}/{OUTPUTS}", gathered.SerializeToString())
+        self.node_outputs[node_id] = gathered
+        return gathered
 
     def run_task(self, node_id: str, template: tasks_pb2.TaskTemplate,
                  inputs: literals_pb2.LiteralMap) -> literals_pb2.LiteralMap:
@@ -154,6 +201,14 @@ class Replay:
         outputs = literals.bind_inputs(spec.outputs, inner)
         self.store.write(f"{paths.output_prefix}/{OUTPUTS}", outputs.SerializeToString())
         return outputs
+
+
+def element_paths(paths: NodePaths, index: int) -> NodePaths:
+    """Where element ``index`` of an array node writes: its own output, raw-data and checkpoint prefixes
+    under the node's; its inputs are the node's."""
+    raw = f"{paths.raw_output_prefix}/{index}"
+    return replace(paths, output_prefix=f"{paths.output_prefix}/{index}", raw_output_prefix=raw,
+                   checkpoint_prefix=f"{raw}/_flytecheckpoints")
 
 
 def rank0_writer(node_id: str, results: list[PodResult]) -> str:

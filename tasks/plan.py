@@ -24,12 +24,20 @@ from tasks.slurm.ssh import SlurmTarget
 from tasks.storage import is_uri, local_path, source_storage_options
 from tasks.types import SlurmSettings, Topology
 from traincore.config import PRESETS, Config, ConfigError, DataConfig, build_config, parse_source
-from traincore.data import StagingError, source_fingerprint
+from traincore.data import StagingError, check_partitions, source_fingerprint
 from traincore.run import OutputError, check_model_input, ensure_writable_dir
 
 
 class LaunchInputError(UserFacingError):
     """A workflow input is invalid; the message names the input and how to fix it."""
+
+
+def check_stage_partitions(partitions: int) -> None:
+    """Refuse a partition count below 0 (the staging is cached without it, so stage_dataset may not run)."""
+    try:
+        check_partitions(partitions)
+    except StagingError as exc:
+        raise LaunchInputError(f"input stage_{exc}") from None
 
 
 INPUT_LABELS = {"preset": "input preset", "overrides": "input config_overrides",
@@ -251,7 +259,7 @@ def plan_run(source: str, preset: str, config_overrides: str, epochs: int, max_s
              nnodes: int, nproc_per_node: int, gpus_per_node: int, accelerator: str, max_restarts: int,
              parallelism: str, checkpoint_uri: str, slurm_target: str, slurm_partition: str,
              slurm_account: str, slurm_time_limit: str, slurm_sbatch_flags: str, slurm_setup: str,
-             store_secret: str = "", capacity: str = "on-demand") -> RunPlan:
+             store_secret: str = "", capacity: str = "on-demand", stage_partitions: int = 0) -> RunPlan:
     """Validate the launch inputs and resolve them into the run's Config and Topology; fingerprint the
     source (uncached: every run sees the source as it is now)."""
     slurm = SlurmSettings(target=slurm_target, partition=slurm_partition, account=slurm_account,
@@ -265,6 +273,7 @@ def plan_run(source: str, preset: str, config_overrides: str, epochs: int, max_s
     local_run = FlyteContextManager.current_context().execution_state.is_local_execution()
     check_topology(topology, local_run)
     check_capacity(capacity, backend)
+    check_stage_partitions(stage_partitions)
     check_store_secret(topology, checkpoint_uri)
     check_backend(cfg, topology, local_run)
     check_model(cfg)

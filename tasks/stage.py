@@ -1,8 +1,10 @@
-"""Stage a dataset source once into the memory-mappable format; Flyte caches the result per DataConfig and
-source fingerprint, so a grown or changed source is staged again and an unchanged one is not."""
+"""Stage a dataset source once into the memory-mappable format, in parallel partitions on a cluster; Flyte
+caches the result per DataConfig and source fingerprint, so a grown or changed source is staged again and an
+unchanged one is not."""
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import logging
@@ -11,14 +13,29 @@ import time
 from pathlib import Path
 
 import flytekit
-from flytekit import Resources, task
+from flytekit import Cache, Resources, dynamic, map_task, task
 from flytekit.core.context_manager import FlyteContextManager
+from flytekit.types.directory import FlyteDirectory
 
 from tasks.errors import UserFacingError
 from tasks.storage import source_storage_options
 from tasks.types import StagedDataset
 from traincore.config import DataConfig
-from traincore.data import FORMAT_VERSION, StagingError, directory_bytes, stage, staging_key, summary
+from traincore.data import (
+    FORMAT_VERSION,
+    MANIFEST,
+    PartitionRecord,
+    StagingError,
+    check_partitions,
+    choose_partitions,
+    directory_bytes,
+    merge_partitions,
+    open_source,
+    stage,
+    stage_partition,
+    staging_key,
+    summary,
+)
 
 log = logging.getLogger(__name__)
 
@@ -48,29 +65,102 @@ class SourceStagingError(UserFacingError, StagingError):
     with its message, shown by ``pyflyte run`` without a traceback (tasks.errors)."""
 
 
-@task(cache=True, cache_version=STAGING_CACHE_VERSION, retries=2, requests=Resources(cpu="2", mem="4Gi"))
-def stage_dataset(data: DataConfig, source_fingerprint: str) -> StagedDataset:
+@dynamic(cache=Cache(version=STAGING_CACHE_VERSION, ignored_inputs=("partitions",)), retries=2,
+         requests=Resources(cpu="1", mem="2Gi"))
+def stage_dataset(data: DataConfig, source_fingerprint: str, partitions: int = 0) -> StagedDataset:
     """Decode, resize and shard ``data.source`` into manifest.json + uint8 shards, cached per DataConfig and
     ``source_fingerprint`` (plan_run's fingerprint of the source as it was when the run started).
 
-    A staging already in the directory is verified before it is reused; a damaged one (a shard failing its
-    check, an unreadable manifest) is staged again and swapped into place, with a warning naming the file.
-    An object-store source is read with the store settings flytekit has (FLYTE_AWS_* for s3://), as Flyte
-    reads its own data. Staging lists the source again and stages exactly that listing; if the source
-    changed since plan_run, the manifest and the output record what was staged (with a warning), and the
-    next run, fingerprinting the new state, stages it under its own key.
+    ``partitions`` > 1 stages that many runs of whole shards in parallel (0: one per 4 GiB of staged
+    pixels): on a cluster a map task of :func:`stage_partition` pods, each uploading its shards to one
+    location in the store, then :func:`publish_staging` writes the manifest; in a local run, processes on
+    this machine. The bytes are those of one partition, so the partition count is not part of the cache
+    key. A staging already in the local directory is verified before it is reused; a damaged one (a shard
+    failing its check, an unreadable manifest) is staged again and swapped into place, with a warning
+    naming the file. An object-store source is read with the store settings flytekit has (FLYTE_AWS_* for
+    s3://), as Flyte reads its own data. Staging lists the source again and stages exactly that listing;
+    if the source changed since plan_run, the manifest and the output record what was staged (with a
+    warning), and the next run, fingerprinting the new state, stages it under its own key.
     """
-    output = staging_directory(data, source_fingerprint)
-    start = time.perf_counter()
     try:
-        manifest = stage(data, output, replace_unusable=True,  # the directory is this task's own
-                         progress=lambda line: print(f"stage_dataset: {line}", flush=True),
-                         storage_options=source_storage_options(data.source))
+        check_partitions(partitions)
+        if FlyteContextManager.current_context().execution_state.is_local_execution():
+            return _stage_here(data, source_fingerprint, partitions)
+        source, _ = open_source(data, _progress, source_storage_options(data.source))
+        partitions = choose_partitions(data, source.counts, partitions)
     except StagingError as exc:
         raise SourceStagingError(str(exc)) from None
-    if manifest.source_fingerprint != source_fingerprint:
-        log.warning("the source %s changed after plan_run fingerprinted it (%s); staged as it is now (%s)",
-                    data.source, source_fingerprint, manifest.source_fingerprint)
+    location = FlyteContextManager.current_context().file_access.get_random_remote_directory()
+    print(f"stage_dataset: {partitions} partition(s) into {location}", flush=True)
+    stage_one = functools.partial(stage_partition_task, data=data, source_fingerprint=source_fingerprint,
+                                  location=location, partitions=partitions)
+    records = map_task(stage_one)(index=list(range(partitions)))
+    return publish_staging(data=data, location=location, records=records)
+
+
+def _progress(line: str) -> None:
+    print(f"stage_dataset: {line}", flush=True)
+
+
+def _stage_here(data: DataConfig, source_fingerprint: str, partitions: int) -> StagedDataset:
+    """A local run's staging: partitions in processes of this machine, into the per-key cache directory."""
+    output = staging_directory(data, source_fingerprint)
+    start = time.perf_counter()
+    manifest = stage(data, output, replace_unusable=True,  # the directory is this task's own
+                     progress=_progress, storage_options=source_storage_options(data.source),
+                     partitions=partitions)
+    _check_staged(data, source_fingerprint, manifest)
     mib, seconds = directory_bytes(output) / 2**20, time.perf_counter() - start
     print(f"stage_dataset: {summary(manifest)} ({mib:.1f} MiB in {seconds:.1f} s)", flush=True)
     return StagedDataset.from_manifest(output, manifest)
+
+
+def _check_staged(data: DataConfig, source_fingerprint: str, manifest) -> None:
+    if manifest.source_fingerprint != source_fingerprint:
+        log.warning("the source %s changed after plan_run fingerprinted it (%s); staged as it is now (%s)",
+                    data.source, source_fingerprint, manifest.source_fingerprint)
+
+
+@task(retries=2, requests=Resources(cpu="2", mem="4Gi"))
+def stage_partition_task(data: DataConfig, source_fingerprint: str, location: str, partitions: int,
+                         index: int) -> str:
+    """One partition of a staging on a cluster: its shards, staged in this pod's working directory, then
+    uploaded under ``location``; its record (traincore.data.PartitionRecord) as JSON. A retried pod
+    uploads the same files under the same names."""
+    work = Path(flytekit.current_context().working_directory) / f"partition-{index}"
+    work.mkdir(parents=True, exist_ok=True)
+    start = time.perf_counter()
+    try:
+        record = stage_partition(data, work, index, partitions, source_fingerprint,
+                                 progress=functools.partial(_partition_line, index, partitions),
+                                 storage_options=source_storage_options(data.source))
+    except StagingError as exc:
+        raise SourceStagingError(str(exc)) from None
+    file_access = FlyteContextManager.current_context().file_access
+    for path in sorted(work.iterdir()):
+        file_access.put_data(str(path), f"{location.rstrip('/')}/{path.name}")
+    mib, seconds = directory_bytes(work) / 2**20, time.perf_counter() - start
+    samples = sum(info.count for info in record.splits.values())
+    print(f"stage_dataset: partition {index + 1}/{partitions}: {samples} samples ({mib:.1f} MiB in "
+          f"{seconds:.1f} s) -> {location}", flush=True)
+    return record.to_json()
+
+
+def _partition_line(index: int, partitions: int, line: str) -> None:
+    print(f"stage_dataset: partition {index + 1}/{partitions}: {line}", flush=True)
+
+
+@task(retries=2, requests=Resources(cpu="1", mem="1Gi"))
+def publish_staging(data: DataConfig, location: str, records: list[str]) -> StagedDataset:
+    """The staging's manifest from every partition's record, written last under ``location``: before it,
+    nothing there is a staged dataset."""
+    try:
+        manifest = merge_partitions(data, [PartitionRecord.from_json(record) for record in records])
+    except StagingError as exc:
+        raise SourceStagingError(str(exc)) from None
+    local = Path(flytekit.current_context().working_directory) / MANIFEST
+    local.write_text(manifest.to_json())
+    target = f"{location.rstrip('/')}/{MANIFEST}"
+    FlyteContextManager.current_context().file_access.put_data(str(local), target)
+    print(f"stage_dataset: {summary(manifest)} -> {location}", flush=True)
+    return StagedDataset.from_manifest(FlyteDirectory(location), manifest)

@@ -64,6 +64,7 @@ def training_pipeline(
     slurm_sbatch_flags: str = "",
     slurm_setup: str = "",
     store_secret: str = "",
+    stage_partitions: int = 0,
 ) -> PipelineOutputs:
     """Train an image classifier with PyTorch (DDP or FSDP): stage the data, train, export and evaluate it.
 
@@ -104,6 +105,9 @@ def training_pipeline(
         store_secret: Flyte secret (a Kubernetes secret in the execution's namespace) holding the s3://
             store's credentials, keys aws_access_key_id and aws_secret_access_key: mounted into the train
             pods as files for their checkpoints and records (empty = the pods' FLYTE_AWS_* settings).
+        stage_partitions: Stage the dataset in this many partitions side by side (a map task on a cluster,
+            processes in a local run), each a run of whole shards; the staged bytes are the same whatever
+            the count. 0 (the default) = one partition per 4 GiB of staged pixels.
 
     Returns:
         model: The exported model (model.safetensors, its config JSON with its sha256, lineage.json).
@@ -116,8 +120,10 @@ def training_pipeline(
                     parallelism=parallelism, checkpoint_uri=checkpoint_uri, slurm_target=slurm_target,
                     slurm_partition=slurm_partition, slurm_account=slurm_account,
                     slurm_time_limit=slurm_time_limit, slurm_sbatch_flags=slurm_sbatch_flags,
-                    slurm_setup=slurm_setup, store_secret=store_secret, capacity=capacity)
-    dataset = stage_dataset(data=plan.data, source_fingerprint=plan.source_fingerprint)
+                    slurm_setup=slurm_setup, store_secret=store_secret, capacity=capacity,
+                    stage_partitions=stage_partitions)
+    dataset = stage_dataset(data=plan.data, source_fingerprint=plan.source_fingerprint,
+                            partitions=stage_partitions)
     trained = train_on_backend(config=plan.config, dataset=dataset, topology=plan.topology,
                                checkpoint_uri=checkpoint_uri, capacity=capacity)
     model = export_model(trained=trained, dataset=dataset)

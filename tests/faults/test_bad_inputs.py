@@ -506,6 +506,8 @@ CASES = [
          ("inputs slurm_* are set but backend='local'",), ("set backend='slurm'",)),
     Case("workflow-zero-processes", "workflow", lambda e: dict(nproc_per_node=0),
          ("input nproc_per_node=0",), ("must be >= 1",)),
+    Case("workflow-negative-stage-partitions", "workflow", lambda e: dict(stage_partitions=-1),
+         ("input stage_partitions=-1",), ("give a whole number >= 1 of partitions",)),
     Case("workflow-text-for-a-bool", "workflow",
          lambda e: dict(config_overrides='{"loader": {"shuffle": "no"}}'),
          ("input config_overrides", "loader.shuffle='no'"), ('{"loader.shuffle": false}',)),

@@ -11,7 +11,7 @@ from pathlib import Path
 import msgpack
 import pytest
 import replay_helpers  # noqa: F401, I001  (a module beside this file; puts the checkout on sys.path)
-from flyteidl.core import identifier_pb2, literals_pb2, tasks_pb2, types_pb2, workflow_pb2
+from flyteidl.core import identifier_pb2, interface_pb2, literals_pb2, tasks_pb2, types_pb2, workflow_pb2
 from google.protobuf.struct_pb2 import Struct
 
 from replay.graph import NodeFailed, Replay, check_world, dependency_order, rank0_writer
@@ -133,17 +133,19 @@ def test_pods_that_never_finish_are_killed_at_the_node_timeout(tmp_path):
     assert all(r.timed_out and r.returncode < 0 for r in results)
 
 
+def binding(var: str, node_id: str, output: str) -> literals_pb2.Binding:
+    ref = types_pb2.OutputReference(node_id=node_id, var=output)
+    return literals_pb2.Binding(var=var, binding=literals_pb2.BindingData(promise=ref))
+
+
+def integer(value: int) -> literals_pb2.Literal:
+    primitive = literals_pb2.Primitive(integer=value)
+    return literals_pb2.Literal(scalar=literals_pb2.Scalar(primitive=primitive))
+
+
 def test_a_sub_workflow_runs_its_nodes_on_the_nodes_inputs_and_gives_its_own_outputs(tmp_path):
     """A workflow called inside another (retrain_and_promote calls training_pipeline): its nodes run under
     the calling node's id, on that node's bound inputs, and its output bindings become the node's outputs."""
-    def binding(var: str, node_id: str, output: str) -> literals_pb2.Binding:
-        ref = types_pb2.OutputReference(node_id=node_id, var=output)
-        return literals_pb2.Binding(var=var, binding=literals_pb2.BindingData(promise=ref))
-
-    def integer(value: int) -> literals_pb2.Literal:
-        primitive = literals_pb2.Primitive(integer=value)
-        return literals_pb2.Literal(scalar=literals_pb2.Scalar(primitive=primitive))
-
     class Doubling(Replay):  # every task doubles its input x: the binding is what is under test, not pods
         def run_task(self, node_id, template, inputs):
             ran.append(node_id)
@@ -166,3 +168,40 @@ def test_a_sub_workflow_runs_its_nodes_on_the_nodes_inputs_and_gives_its_own_out
     assert ran == ["n0", "n1-0-n0", "n1-0-n1"]
     assert outputs["n1"].literals["z"].scalar.primitive.integer == 24  # 3 -> 6 -> 12 -> 24
     assert replay.node_outputs["n1"] == outputs["n1"]
+
+
+ELEMENT = """
+import os, sys
+from flyteidl.core import literals_pb2
+inputs = literals_pb2.LiteralMap.FromString(open(sys.argv[1], "rb").read())
+index = int(os.environ[os.environ["BATCH_JOB_ARRAY_INDEX_VAR_NAME"]])
+x = inputs.literals["x"].collection.literals[index].scalar.primitive.integer
+k = inputs.literals["k"].scalar.primitive.integer
+value = literals_pb2.Literal(scalar=literals_pb2.Scalar(primitive=literals_pb2.Primitive(integer=x * k)))
+os.makedirs(sys.argv[2], exist_ok=True)
+with open(os.path.join(sys.argv[2], "outputs.pb"), "wb") as out:
+    out.write(literals_pb2.LiteralMap(literals={"o0": value}).SerializeToString())
+"""
+
+
+def test_an_array_node_runs_a_pod_per_element_and_gathers_their_outputs(tmp_path):
+    """A map task as propeller's ArrayNode runs it: each pod reads the node's whole inputs (the mapped list
+    and the bound scalar), picks its element by FLYTE_K8S_ARRAY_INDEX, writes its own outputs.pb; the
+    node's output is the list of the elements' outputs, in element order."""
+    integer_list = types_pb2.LiteralType(collection_type=types_pb2.LiteralType(simple=types_pb2.INTEGER))
+    template = tasks_pb2.TaskTemplate(
+        id=identifier_pb2.Identifier(name="times_k"),
+        container=tasks_pb2.Container(args=[sys.executable, "-c", ELEMENT, "{{.input}}",
+                                            "{{.outputPrefix}}"]),
+        interface=interface_pb2.TypedInterface(outputs={"variables": {"o0": {"type": integer_list}}}))
+    element = workflow_pb2.Node(id="n0", task_node=workflow_pb2.TaskNode(reference_id=template.id))
+    array = workflow_pb2.Node(id="n0", array_node=workflow_pb2.ArrayNode(node=element, parallelism=2),
+                              inputs=[binding("x", "", "xs"), binding("k", "", "k")])
+    values = literals_pb2.LiteralCollection(literals=[integer(v) for v in (1, 2, 5)])
+    xs = literals_pb2.Literal(collection=values)
+    replay = Replay(Store(str(tmp_path / "store")), EXECUTION, tmp_path, BIN)
+    outputs = replay.run_nodes([array], {"times_k": template},
+                               {"": literals_pb2.LiteralMap(literals={"xs": xs, "k": integer(10)})})
+    gathered = outputs["n0"].literals["o0"].collection.literals
+    assert [literal.scalar.primitive.integer for literal in gathered] == [10, 20, 50]
+    assert sorted(p.name for p in (tmp_path / "pods").iterdir()) == [f"fexec-n0-{i}-0" for i in range(3)]

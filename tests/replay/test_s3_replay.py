@@ -49,6 +49,7 @@ from traincore.artifacts.lineage import Lineage
 from traincore.checkpoint import Store, complete_steps, read_marker, step_store
 from traincore.checkpoint.format import read_checkpoint
 from traincore.checkpoint.prune import remove_step
+from traincore.data import MANIFEST, Manifest
 
 pytestmark = pytest.mark.slow
 # The tests of the 2-pod run: its six nodes are pods of their own (a fresh interpreter each), 60 s on a quiet
@@ -60,7 +61,9 @@ MAX_STEPS, EVERY = 20, 10
 TRAIN_NODE = "n2-0-dn0"  # the train task inside the @dynamic train_on_backend node
 # The example team package's model (examples/teamnet), which fast registration ships with the code.
 MODEL = {"name": "examples.teamnet.models:resnet_tiny", "kwargs": {"width": 16, "depth": 1}}
-CONFIG = json.dumps({"model": MODEL, "loader": {"batch_size": 8}, "optim": {"lr": 0.01},
+# Shards of 512 digits: the train split's three shards are staged by two partitions (a map task of two pods).
+CONFIG = json.dumps({"model": MODEL, "data": {"samples_per_shard": 512}, "loader": {"batch_size": 8},
+                     "optim": {"lr": 0.01},
                      "checkpoint": {"every": EVERY, "mode": "async"}, "telemetry": {"tensorboard": False}})
 TWO_PODS = ("backend=kubernetes", "nnodes=2", "nproc_per_node=1", "max_restarts=1", "parallelism=fsdp")
 SECRET_NAME = "FLYTE_AWS_SECRET_ACCESS_KEY"
@@ -149,7 +152,7 @@ def two_pods(fast_package, s3_server, tmp_path_factory) -> SimpleNamespace:
     store = f"s3://{s3.bucket}/store"
     code, output, summary = run_replay(
         fast_package, workdir, *TWO_PODS, f"max_steps={MAX_STEPS}", f"config_overrides={CONFIG}",
-        f"checkpoint_uri={root}", options=("--store", store), env=s3.env)
+        f"checkpoint_uri={root}", "stage_partitions=2", options=("--store", store), env=s3.env)
     assert code == 0, output[-6000:]
     pristine = f"checkpoints/pristine-{uuid.uuid4().hex[:8]}"
     copy_objects(s3, ckpt, pristine)
@@ -170,6 +173,23 @@ def test_the_fast_registration_ships_the_code_the_pods_run(fast_package):
         with tarfile.open(fileobj=package.extractfile(code)) as tarball:
             files = set(tarball.getnames())
     assert {"tasks/train.py", "examples/teamnet/models.py"} <= files, sorted(files)[:20]
+
+
+@LONG
+def test_the_dataset_is_staged_by_a_map_task_of_two_pods_into_the_bucket(two_pods):
+    """stage_partitions=2: the stage node's map task runs one pod per partition, each uploading its shards
+    to one location in the bucket, and the manifest written after them lists every shard in order; the
+    train pods read the data from there (an s3:// dataset is streamed, never copied whole)."""
+    mapped = [node for node in two_pods.summary["nodes"] if "map_stage_partition_task" in node["task"]]
+    assert [(node["node_id"], node["pods"]) for node in mapped] == [("n1-0-dn0", 2)]
+    location = two_pods.summary["node_outputs"]["n1"]["o0"]["directory"]["path"]
+    assert location.startswith(f"s3://{two_pods.s3.bucket}/")
+    staged = Store(location, two_pods.s3.storage_options)
+    manifest = Manifest.from_bytes(staged.read_bytes(MANIFEST), location)
+    train = manifest.splits["train"]
+    assert [shard.images for shard in train.shards] == [f"train-0000{i}.u8" for i in range(3)]
+    assert sum(info.count for info in manifest.splits.values()) == 1797
+    assert all(staged.is_file(shard.images) for info in manifest.splits.values() for shard in info.shards)
 
 
 @LONG

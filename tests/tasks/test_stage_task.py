@@ -8,11 +8,12 @@ import os
 import shutil
 from pathlib import Path
 
+import pytest
 from flytekit import workflow
 
 import tasks.stage
 from tasks.plan import plan_run
-from tasks.stage import stage_dataset
+from tasks.stage import SourceStagingError, stage_dataset
 from tasks.types import StagedDataset
 from traincore.config.schema import DataConfig
 from traincore.data.fingerprint import source_fingerprint
@@ -90,3 +91,27 @@ def test_a_source_changed_after_the_plan_is_staged_as_read_and_says_so(image_fol
     assert staged.source_fingerprint == source_fingerprint(data) != planned
     assert sum(staged.counts.values()) == 7
     assert f"changed after plan_run fingerprinted it ({planned})" in caplog.text
+
+
+def test_the_partition_count_is_not_in_the_cache_key_and_partitions_stage_the_same_bytes(monkeypatch):
+    data = DataConfig(source="synthetic", image_size=8, synthetic_samples=200, synthetic_classes=3,
+                      samples_per_shard=40)
+    fingerprint = source_fingerprint(data)
+    one = Path(stage_dataset(data=data, source_fingerprint=fingerprint, partitions=1).directory.path)
+    files = {p.name: p.read_bytes() for p in one.iterdir()}
+    calls = []
+    monkeypatch.setattr(tasks.stage, "stage", lambda *a, **k: calls.append(k) or stage(*a, **k))
+    hit = Path(stage_dataset(data=data, source_fingerprint=fingerprint, partitions=3).directory.path)
+    assert hit == one and calls == []  # the same bytes whatever the count: Flyte's cache answers
+    monkeypatch.setattr(stage_dataset.metadata, "cache_version", "three-partitions")
+    shutil.rmtree(one)
+    three = Path(stage_dataset(data=data, source_fingerprint=fingerprint, partitions=3).directory.path)
+    assert [k["partitions"] for k in calls] == [3]
+    assert {p.name: p.read_bytes() for p in three.iterdir()} == files
+
+
+def test_a_negative_partition_count_is_refused_by_the_staging_too(monkeypatch):
+    # (the workflow's plan_run refuses it first: tests/faults/test_bad_inputs.py)
+    monkeypatch.setattr(stage_dataset.metadata, "cache_version", "negative-partitions")  # the body runs
+    with pytest.raises(SourceStagingError, match="partitions=-2: give a whole number >= 1"):
+        stage_dataset(data=DATA, source_fingerprint=FINGERPRINT, partitions=-2)

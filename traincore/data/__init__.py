@@ -19,9 +19,16 @@
 from traincore.data.autotune import autotune
 from traincore.data.fingerprint import source_fingerprint
 from traincore.data.loader import Normalizer, StagedLoader, StagedSplit, epoch_batches, eval_batches
-from traincore.data.manifest import FORMAT_VERSION, Manifest, StagingError, verify_staging
-from traincore.data.partitions import PartitionRecord, choose_partitions, staging_key
-from traincore.data.staging import directory_bytes, stage, stage_partition, summary
+from traincore.data.manifest import FORMAT_VERSION, MANIFEST, Manifest, StagingError, verify_staging
+from traincore.data.partitions import PartitionRecord, check_partitions, choose_partitions, staging_key
+from traincore.data.staging import (
+    directory_bytes,
+    merge_partitions,
+    open_source,
+    stage,
+    stage_partition,
+    summary,
+)
 from traincore.data.stream import (
     Batch,
     StreamedSplit,
@@ -33,9 +40,9 @@ from traincore.data.stream import (
 )
 
 __all__ = [
-    "autotune", "Batch", "cache_limit", "choose_partitions", "dataset_manifest", "directory_bytes",
-    "epoch_batches", "eval_batches", "FORMAT_VERSION", "Manifest", "Normalizer", "open_streamed",
-    "PartitionRecord", "source_fingerprint", "stage", "stage_partition", "StagedLoader", "StagedSplit",
-    "staging_key", "StagingError", "StreamedSplit", "StreamError", "summary", "verify_staging",
-    "verify_streamed",
+    "autotune", "Batch", "cache_limit", "check_partitions", "choose_partitions", "dataset_manifest",
+    "directory_bytes", "epoch_batches", "eval_batches", "FORMAT_VERSION", "MANIFEST", "Manifest",
+    "merge_partitions", "Normalizer", "open_source", "open_streamed", "PartitionRecord",
+    "source_fingerprint", "stage", "stage_partition", "StagedLoader", "StagedSplit", "staging_key",
+    "StagingError", "StreamedSplit", "StreamError", "summary", "verify_staging", "verify_streamed",
 ]

@@ -56,11 +56,15 @@ class PartitionRecord:
         return cls(**{**raw, "splits": splits, "first_item": first})
 
 
-def choose_partitions(cfg: DataConfig, count: int) -> int:
-    """Partitions for ``count`` samples when none is asked for: one per PARTITION_BYTES of staged pixels,
-    at most MAX_PARTITIONS."""
-    staged = count * cfg.channels * cfg.image_size ** 2
-    return max(1, min(MAX_PARTITIONS, -(-staged // PARTITION_BYTES)))
+def choose_partitions(cfg: DataConfig, counts: dict[str, int], partitions: int = 0) -> int:
+    """The partitions to stage ``counts`` samples per split in: ``partitions``, or when it is 0 one per
+    PARTITION_BYTES of staged pixels (at most MAX_PARTITIONS); never more than the split with the most
+    shards has shards (a partition beyond that would stage nothing)."""
+    if not partitions:
+        staged = sum(counts.values()) * cfg.channels * cfg.image_size ** 2
+        partitions = min(MAX_PARTITIONS, -(-staged // PARTITION_BYTES))
+    shards = max(-(-count // cfg.samples_per_shard) for count in counts.values())
+    return max(1, min(partitions, shards))
 
 
 def check_partitions(partitions: int) -> None:

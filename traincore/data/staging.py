@@ -52,7 +52,7 @@ from traincore.data.partitions import (
     staging_key,
 )
 from traincore.data.progress import ProgressMeter
-from traincore.data.pysource import python_source
+from traincore.data.pysource import label_classes, python_source
 from traincore.data.sources import BAND, Source, digits_source, synthetic_source
 from traincore.files import publish_directory, write_durably
 
@@ -200,6 +200,14 @@ def stage_partition(cfg: DataConfig, directory: str | Path, index: int, partitio
     return write_partition(Path(directory), cfg, source, fingerprint, index, partitions, progress)
 
 
+def merge_partitions(cfg: DataConfig, records: list[PartitionRecord]) -> Manifest:
+    """The manifest of a staging whose partitions were staged apart (:func:`stage_partition`), its classes
+    named as one staging names them (a python: source's labels, by :func:`label_classes`)."""
+    kind, location = parse_source(cfg.source)
+    namer = functools.partial(label_classes, location) if kind == "python" else None
+    return merge_records(cfg, records, namer)
+
+
 def _partition_lines(prefix: str, line: str) -> None:
     """A partition process's progress line, on stderr as the parent's log lines are."""
     print(f"{prefix}: {line}", file=sys.stderr, flush=True)
@@ -245,7 +253,7 @@ def stage(cfg: DataConfig, output: str | Path, overwrite: bool = False, *, repla
     check_partitions(partitions)
     output = Path(output)
     source, fingerprint = open_source(cfg, progress, storage_options)
-    partitions = partitions or choose_partitions(cfg, source.count)
+    partitions = choose_partitions(cfg, source.counts, partitions)
     if output.exists() and not overwrite:
         existing = _reusable(output, cfg, fingerprint, replace_unusable)
         if existing is not None:

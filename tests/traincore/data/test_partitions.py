@@ -159,11 +159,12 @@ def test_a_partition_of_a_source_that_changed_since_the_plan_is_refused(image_fo
 
 
 def test_the_partition_count_is_chosen_from_the_size_and_checked():
-    cfg = DataConfig(image_size=224, channels=3)
-    assert choose_partitions(cfg, 1797) == 1
-    imagenet = choose_partitions(cfg, 1_281_167)  # 193 GB of 224 px uint8
+    cfg = DataConfig(image_size=224, channels=3, samples_per_shard=1024)
+    assert choose_partitions(cfg, {"train": 1797}) == 1
+    imagenet = choose_partitions(cfg, {"train": 1_231_167, "val": 50_000})  # 193 GB of 224 px uint8
     assert imagenet == -(-1_281_167 * 3 * 224 * 224 // PARTITION_BYTES) and 40 < imagenet <= 64
-    assert choose_partitions(cfg, 100_000_000) == 64
+    assert choose_partitions(cfg, {"train": 100_000_000}) == 64
+    assert choose_partitions(cfg, {"train": 5000, "val": 100}, partitions=16) == 5  # one per shard at most
     with pytest.raises(StagingError, match="partitions=-1: give a whole number >= 1"):
         stage(DataConfig(), "unused", partitions=-1)
 
