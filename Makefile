@@ -37,7 +37,7 @@ test: install-dev
 test-long: install-dev
 	$(BIN)/python -m pytest -n $(TEST_WORKERS) -m long
 
-# Loader, checkpoint, sharded-state, per-step, start-up, preemption, validation and end-to-end benchmarks
+# Loader, checkpoint, sharded-state, per-step, start-up, preemption, validation, end-to-end and staging benchmarks
 # (about 20 minutes on 2 cores): writes bench/results/latest.json and latest.md (commit them); generated data and runs go to runs/bench.
 bench: install
 	$(BIN)/python bench/run.py

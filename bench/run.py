@@ -29,7 +29,7 @@ from bench.tables import markdown_table  # noqa: E402
 ROOT = Path(__file__).resolve().parents[1]
 ERROR_CHARS = 400  # of a failed benchmark's error line in latest.md (latest.json has all of it)
 BENCHMARKS = ("loader", "checkpoint", "sharded", "object_store", "step", "startup", "end_to_end",
-              "preemption", "validation")
+              "preemption", "validation", "staging")
 # The targets, for benchmarks whose JSON states none: (benchmark, ratio) -> target, and (benchmark,
 # None) -> the target of every ratio of that benchmark.
 TARGETS = {("checkpoint", "async_blocking_over_copy"): "<= 0.1", ("step", None): "<= 1.05",
@@ -44,6 +44,7 @@ TINY_ARGS = {  # seconds-long sizes for a smoke run; scripts without such option
     "object_store": ["--params", "1.7M", "--width", "512", "--repeats", "2", "--start-method", "fork"],
     "preemption": ["--steps", "20", "--rounds", "1"],
     "validation": ["--steps", "8", "--eval-every", "4", "--repeats", "1"],
+    "staging": ["--samples", "600", "--size", "8", "--partitions", "1", "2", "--repeats", "1"],
 }
 
 

@@ -55,8 +55,8 @@ def run_tiny(tmp_path: Path, *names: str) -> dict:
     return {**json.loads((results / "latest.json").read_text()), "table": (results / "latest.md").read_text()}
 
 
-def test_runner_writes_loader_and_validation_tables(tmp_path):
-    report = run_tiny(tmp_path, "loader", "validation")
+def test_runner_writes_loader_validation_and_staging_tables(tmp_path):
+    report = run_tiny(tmp_path, "loader", "validation", "staging")
     assert {"cpu", "cores", "ram_gib", "torch", "cuda_device", "git", "date"} <= set(report["machine"])
     by_name = {b["benchmark"]: b for b in report["benchmarks"]}
     assert "error" not in by_name["loader"], by_name
@@ -68,7 +68,12 @@ def test_runner_writes_loader_and_validation_tables(tmp_path):
     assert [(row["case"], row["validations"], row["kept_checkpoints"]) for row in validation["results"]] == [
         ("end only", 1, 1), ("eval_every=4", 2, 2)]
     assert validation["ratios"]["eval_every=4/end only"] > 0
-    assert "### loader" in report["table"] and "### validation" in report["table"]
+    # The same staging in one and in two partitions (the script refuses to report different manifests).
+    staging = by_name["staging"]
+    assert "error" not in staging, staging
+    assert [row["partitions"] for row in staging["results"]] == [1, 2]
+    assert staging["ratios"]["1 over 2 partitions (speed-up)"] > 0
+    assert all(f"### {name}" in report["table"] for name in ("loader", "validation", "staging"))
 
 
 @pytest.mark.long  # three whole runs (a plain loop, torchrun, the pyflyte workflow): 75-100 s in the suite

@@ -105,6 +105,7 @@ class Checkpointer:
         self.last_save: SaveStats | None = None
         self.committed: int | None = None  # the newest step this run loaded or committed
         self._interval_start = time.monotonic()  # checkpoint.every_s counts from here
+        self.interval_s = cfg.every_s  # every_s, or longer while saves block more than max_save_share
         self._present: set[int] | None = None  # object store: step prefixes known there (rank 0)
         self._group = self._new_group()
         self._pending: Future | None = None  # the commit of the save in flight
@@ -166,7 +167,7 @@ class Checkpointer:
     def interval_elapsed(self) -> bool:
         """Whether ``cfg.every_s`` seconds passed on this rank's clock since its last save began (or since
         the run started); the ranks agree on it before any of them saves (PreemptionWatch.agree)."""
-        return bool(self.cfg.every_s) and time.monotonic() - self._interval_start >= self.cfg.every_s
+        return bool(self.cfg.every_s) and time.monotonic() - self._interval_start >= self.interval_s
 
     def save(self, step: int, metrics: dict[str, float] | None = None) -> None:
         """Write ``<root>/step-{step:06d}/``, its marker recording ``metrics`` (the step's validation);
@@ -193,6 +194,21 @@ class Checkpointer:
         else:
             self._pending = self._executor.submit(self._commit, directory, step, start, blocking, finish,
                                                   metrics)
+        self._pace(time.perf_counter() - start)
+
+    def _pace(self, stalled_s: float) -> None:
+        """The wall-clock interval after a save that held training up ``stalled_s`` (every rank alike: the
+        sync path ends at a barrier): ``every_s``, or that stall over ``max_save_share`` when longer, so that
+        time-triggered saves never cost more than that share of the run."""
+        share, every = self.cfg.max_save_share, self.cfg.every_s
+        interval = max(every, stalled_s / share) if every and share else every
+        changed = interval > 1.1 * self.interval_s or interval < 0.9 * self.interval_s
+        if self.rank == 0 and interval > every and changed:  # one line per run, not one per rank
+            log.warning("a save held training up %.1f s: the next wall-clock save comes after %.0f s instead "
+                        "of checkpoint.every_s=%.0f s, keeping saves under checkpoint.max_save_share=%g of "
+                        "the run (checkpoint.mode=async holds training up for the copy of the state only)",
+                        stalled_s, interval, every, share)
+        self.interval_s = interval
 
     def _make_dir(self, directory: Store, step: int) -> str | None:
         """Rank 0: replace a torn (or superseded) leftover of the step by an empty directory; the error.

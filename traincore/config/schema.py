@@ -518,6 +518,11 @@ class CheckpointConfig:
     out), so a hard failure with no signal to save on (a lost node, the OOM killer) loses at most about
     this much work; 0 turns it off. 300 s costs a default ``sync`` save of 1.2 GB about 0.4% of the run and
     an ``async`` one well under 0.01% (docs/checkpoints.md)."""
+    max_save_share: float = 0.01
+    """The most of the run's wall clock that saves may block training: when a save blocks longer than
+    ``every_s`` x this share (a large state written synchronously into an object store: 0.5 GB into S3
+    takes seconds), the wall-clock interval grows to that save's blocking time over this share, with a log
+    line naming ``async``, which blocks far less; 0 keeps ``every_s`` whatever a save costs."""
     keep_last: int = 3
     """Complete checkpoints to keep; older ones (and torn ones older than the newest) are deleted."""
     resume: str = "latest"
@@ -542,6 +547,8 @@ class CheckpointConfig:
                "must be > 0 seconds (e.g. 20, under the platform's SIGKILL deadline)")
         _check(self.every_s >= 0, "checkpoint.every_s", self.every_s,
                "must be >= 0 seconds (e.g. 300; 0 turns the wall-clock cadence off)")
+        _check(0 <= self.max_save_share < 1, "checkpoint.max_save_share", self.max_save_share,
+               "must be a share in [0, 1) (e.g. 0.01 for 1% of the run; 0 keeps every_s as given)")
         _one_of("checkpoint.mode", self.mode, CHECKPOINT_MODES)
         _ints(self, "checkpoint", every=0, keep_last=1)
         _check(self.resume in ("latest", "none") or _digits(self.resume), "checkpoint.resume",

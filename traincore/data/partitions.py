@@ -1,7 +1,8 @@
 """Staging in partitions: a source split into runs of whole shards, staged apart, joined by one manifest.
 
-Partition ``p`` of ``P`` stages, in every split, the shards ``[p * n // P, (p + 1) * n // P)`` of that
-split's ``n`` shards, under the shards' own names: the partitions write disjoint files, and since a range of a
+The shards of all splits, in split order (train, val, test), are cut into ``P`` runs as even as whole
+shards allow; partition ``p`` stages the ``p``-th run, under the shards' own names: the partitions write
+disjoint files, and since a range of a
 source gives the same bytes whoever reads it (traincore.data.sources), their shards are byte for byte the
 shards of a one-partition staging. Each partition returns a :class:`PartitionRecord` (its shards, the exact
 integer pixel sums the normalisation statistics come from, the labels it saw); :func:`merge_records` joins
@@ -58,12 +59,12 @@ class PartitionRecord:
 
 def choose_partitions(cfg: DataConfig, counts: dict[str, int], partitions: int = 0) -> int:
     """The partitions to stage ``counts`` samples per split in: ``partitions``, or when it is 0 one per
-    PARTITION_BYTES of staged pixels (at most MAX_PARTITIONS); never more than the split with the most
-    shards has shards (a partition beyond that would stage nothing)."""
+    PARTITION_BYTES of staged pixels (at most MAX_PARTITIONS); never more than the staging has shards (a
+    partition beyond that would stage nothing)."""
     if not partitions:
         staged = sum(counts.values()) * cfg.channels * cfg.image_size ** 2
         partitions = min(MAX_PARTITIONS, -(-staged // PARTITION_BYTES))
-    shards = max(-(-count // cfg.samples_per_shard) for count in counts.values())
+    shards = sum(-(-count // cfg.samples_per_shard) for count in counts.values())
     return max(1, min(partitions, shards))
 
 
@@ -75,15 +76,17 @@ def check_partitions(partitions: int) -> None:
 
 
 def partition_ranges(counts: dict[str, int], per_shard: int, partitions: int) -> list[Ranges]:
-    """Each partition's sample range per split: runs of whole shards, as even as the shard counts allow
-    (a split with fewer shards than partitions leaves some partitions nothing of it)."""
-    plans: list[Ranges] = [{} for _ in range(partitions)]
-    for split, count in counts.items():
-        shards = -(-count // per_shard)
-        for p in range(partitions):
-            lo, hi = p * shards // partitions, (p + 1) * shards // partitions
-            if lo < hi:
-                plans[p][split] = (lo * per_shard, min(hi * per_shard, count))
+    """Each partition's sample range per split: the shards of all splits, in split order, cut into
+    ``partitions`` runs as even as whole shards allow (so a partition may span the end of one split and the
+    start of the next, and a staging with fewer shards than partitions leaves some partitions nothing)."""
+    shards = [(split, index) for split, count in counts.items() for index in range(-(-count // per_shard))]
+    plans: list[Ranges] = []
+    for p in range(partitions):
+        plan: Ranges = {}
+        for split, index in shards[p * len(shards) // partitions:(p + 1) * len(shards) // partitions]:
+            lo, hi = plan.get(split, (index * per_shard, index * per_shard))
+            plan[split] = (lo, min(hi + per_shard, counts[split]))
+        plans.append(plan)
     return plans
 
 

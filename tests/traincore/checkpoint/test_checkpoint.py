@@ -162,6 +162,26 @@ def load(root: Path, state: TrainState | None = None, step: int | None = None, *
 
 # ---- one process -------------------------------------------------------------------------------
 
+def test_wall_clock_saves_are_spaced_so_they_block_at_most_their_share(tmp_path, caplog):
+    state = make_state()
+    cfg = CheckpointConfig(every_s=0.001, max_save_share=0.01)
+    paced = Checkpointer(tmp_path / "paced", cfg, state.registry)
+    with caplog.at_level(logging.WARNING, logger="traincore.checkpoint.checkpointer"):
+        start = time.perf_counter()
+        paced.save(1)
+        took = time.perf_counter() - start
+    # The save held training up for most of ``took``: the next one waits that over the share.
+    assert 0.001 < paced.interval_s <= took / 0.01
+    assert not paced.interval_elapsed()
+    assert "instead of checkpoint.every_s=0 s" in caplog.text and "max_save_share=0.01" in caplog.text
+    fixed = Checkpointer(tmp_path / "fixed", CheckpointConfig(every_s=0.001, max_save_share=0),
+                         state.registry)
+    fixed.save(1)
+    assert fixed.interval_s == 0.001
+    paced.close()
+    fixed.close()
+
+
 @pytest.mark.parametrize("mode", CHECKPOINT_MODES)
 def test_round_trip_restores_everything_bitwise(tmp_path, mode, caplog):
     caplog.set_level(logging.INFO, logger="traincore.checkpoint.checkpointer")

@@ -37,15 +37,16 @@ def assert_same_staging(one, many) -> None:
     ({"train": 95, "val": 5, "test": 0}, 10, 4),
     ({"train": 10, "val": 1, "test": 1}, 100, 5),
 ])
-def test_partitions_cover_every_shard_once_in_runs_of_whole_shards(counts, per_shard, partitions):
+def test_partitions_cover_every_shard_once_in_even_runs_of_whole_shards(counts, per_shard, partitions):
     plans = partition_ranges(counts, per_shard, partitions)
     assert len(plans) == partitions
-    for split, count in counts.items():
-        ranges = [plan[split] for plan in plans if split in plan]
-        assert [lo for lo, _ in ranges] == [0, *[hi for _, hi in ranges[:-1]]] if count else ranges == []
-        if count:
-            assert ranges[-1][1] == count
-            assert all(lo % per_shard == 0 for lo, _ in ranges)
+    shards = [[(split, lo // per_shard + k) for split, (lo, hi) in plan.items()
+               for k in range(-(-(hi - lo) // per_shard))] for plan in plans]
+    every = [(split, i) for split, count in counts.items() for i in range(-(-count // per_shard))]
+    assert [shard for run in shards for shard in run] == every  # each once, in order
+    assert max(map(len, shards)) - min(map(len, shards)) <= 1
+    for plan in plans:
+        assert all(lo % per_shard == 0 and hi <= counts[split] for split, (lo, hi) in plan.items())
 
 
 def test_synthetic_in_three_partitions_is_the_staging_in_one(tmp_path):
@@ -164,7 +165,7 @@ def test_the_partition_count_is_chosen_from_the_size_and_checked():
     imagenet = choose_partitions(cfg, {"train": 1_231_167, "val": 50_000})  # 193 GB of 224 px uint8
     assert imagenet == -(-1_281_167 * 3 * 224 * 224 // PARTITION_BYTES) and 40 < imagenet <= 64
     assert choose_partitions(cfg, {"train": 100_000_000}) == 64
-    assert choose_partitions(cfg, {"train": 5000, "val": 100}, partitions=16) == 5  # one per shard at most
+    assert choose_partitions(cfg, {"train": 5000, "val": 100}, partitions=16) == 6  # one per shard at most
     with pytest.raises(StagingError, match="partitions=-1: give a whole number >= 1"):
         stage(DataConfig(), "unused", partitions=-1)
 
