@@ -8,6 +8,7 @@
     evaluate   the test split, the evaluation Deck
     promote    champion vs challenger, publish to the registry
     types      the typed values that cross task boundaries
+    resources  the requests a launch sets per node (the workflow input ``resources``)
     storage                local views of FlyteDirectory inputs; the durable checkpoint root as a Store
     decks, report          the HTML of our Decks
     rendezvous, backends   a failed rendezvous, explained; the backend names

@@ -22,7 +22,7 @@ def execution_id() -> str:
     return f"{execution.project}/{execution.domain}/{execution.name}"
 
 
-@task(retries=2, requests=Resources(cpu="1", mem="4Gi"))
+@task(retries=2, requests=Resources(cpu="1", mem="4Gi", ephemeral_storage="4Gi"))  # the exported weights
 def export_model(trained: TrainResult, dataset: StagedDataset, search: str = "") -> ModelArtifact:
     """Best checkpoint (train.metric; else the latest) -> model.safetensors + config JSON + lineage.json,
     verified before publishing; the lineage records the dataset, the run's metric summary, this execution

@@ -20,9 +20,10 @@ from flytekit.core.context_manager import FlyteContextManager
 
 from tasks.backends import BACKENDS, CAPACITIES, SLURM_BACKEND
 from tasks.errors import UserFacingError
+from tasks.resources import parse_resources
 from tasks.slurm.ssh import SlurmTarget
 from tasks.storage import is_uri, local_path, source_storage_options
-from tasks.types import SlurmSettings, Topology
+from tasks.types import NodeResources, SlurmSettings, Topology
 from traincore.config import PRESETS, Config, ConfigError, DataConfig, build_config, parse_source
 from traincore.data import StagingError, check_partitions, source_fingerprint
 from traincore.run import OutputError, check_model_input, ensure_writable_dir
@@ -30,6 +31,14 @@ from traincore.run import OutputError, check_model_input, ensure_writable_dir
 
 class LaunchInputError(UserFacingError):
     """A workflow input is invalid; the message names the input and how to fix it."""
+
+
+def check_resources(resources: str) -> dict[str, NodeResources]:
+    """The ``resources`` input parsed (tasks.resources), or a LaunchInputError naming what is wrong."""
+    try:
+        return parse_resources(resources)
+    except ValueError as exc:
+        raise LaunchInputError(f"input resources={resources!r} {exc}") from None
 
 
 def check_stage_partitions(partitions: int) -> None:
@@ -252,6 +261,7 @@ class RunPlan(NamedTuple):
     data: DataConfig
     topology: Topology
     source_fingerprint: str  # the source as it was when this run started (traincore.data.fingerprint)
+    stage_resources: NodeResources  # each staging partition pod's requests (the resources input's "stage")
 
 
 @task
@@ -259,7 +269,8 @@ def plan_run(source: str, preset: str, config_overrides: str, epochs: int, max_s
              nnodes: int, nproc_per_node: int, gpus_per_node: int, accelerator: str, max_restarts: int,
              parallelism: str, checkpoint_uri: str, slurm_target: str, slurm_partition: str,
              slurm_account: str, slurm_time_limit: str, slurm_sbatch_flags: str, slurm_setup: str,
-             store_secret: str = "", capacity: str = "on-demand", stage_partitions: int = 0) -> RunPlan:
+             store_secret: str = "", capacity: str = "on-demand", stage_partitions: int = 0,
+             resources: str = "") -> RunPlan:
     """Validate the launch inputs and resolve them into the run's Config and Topology; fingerprint the
     source (uncached: every run sees the source as it is now)."""
     slurm = SlurmSettings(target=slurm_target, partition=slurm_partition, account=slurm_account,
@@ -267,9 +278,11 @@ def plan_run(source: str, preset: str, config_overrides: str, epochs: int, max_s
     cfg = launch_config(preset, config_overrides, source, epochs, max_steps, parallelism)
     origin = source_origin(source, preset, cfg)
     check_source(cfg.data.source, origin)
+    requests = check_resources(resources)
     topology = Topology(backend=backend, nnodes=nnodes, nproc_per_node=nproc_per_node,
                         gpus_per_node=gpus_per_node, accelerator=accelerator, max_restarts=max_restarts,
-                        rdzv_timeout_s=cfg.dist.init_timeout_s, slurm=slurm, store_secret=store_secret)
+                        rdzv_timeout_s=cfg.dist.init_timeout_s, slurm=slurm, store_secret=store_secret,
+                        resources=requests["train"])
     local_run = FlyteContextManager.current_context().execution_state.is_local_execution()
     check_topology(topology, local_run)
     check_capacity(capacity, backend)
@@ -285,4 +298,5 @@ def plan_run(source: str, preset: str, config_overrides: str, epochs: int, max_s
           f"model {cfg.model.name}, "
           f"{length}; {nnodes} node(s) x {nproc_per_node} process(es) on {backend}, "
           f"{cfg.dist.parallelism}", flush=True)
-    return RunPlan(config=cfg, data=cfg.data, topology=topology, source_fingerprint=fingerprint)
+    return RunPlan(config=cfg, data=cfg.data, topology=topology, source_fingerprint=fingerprint,
+                   stage_resources=requests["stage"])

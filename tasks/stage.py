@@ -18,8 +18,9 @@ from flytekit.core.context_manager import FlyteContextManager
 from flytekit.types.directory import FlyteDirectory
 
 from tasks.errors import UserFacingError
+from tasks.resources import gib
 from tasks.storage import source_storage_options
-from tasks.types import StagedDataset
+from tasks.types import NodeResources, StagedDataset
 from traincore.config import DataConfig
 from traincore.data import (
     FORMAT_VERSION,
@@ -29,6 +30,7 @@ from traincore.data import (
     check_partitions,
     choose_partitions,
     directory_bytes,
+    estimated_bytes,
     merge_partitions,
     open_source,
     stage,
@@ -65,37 +67,53 @@ class SourceStagingError(UserFacingError, StagingError):
     with its message, shown by ``pyflyte run`` without a traceback (tasks.errors)."""
 
 
-@dynamic(cache=Cache(version=STAGING_CACHE_VERSION, ignored_inputs=("partitions",)), retries=2,
+@dynamic(cache=Cache(version=STAGING_CACHE_VERSION, ignored_inputs=("partitions", "resources")), retries=2,
          requests=Resources(cpu="1", mem="2Gi"))
-def stage_dataset(data: DataConfig, source_fingerprint: str, partitions: int = 0) -> StagedDataset:
+def stage_dataset(data: DataConfig, source_fingerprint: str, partitions: int = 0,
+                  resources: NodeResources | None = None) -> StagedDataset:
     """Decode, resize and shard ``data.source`` into manifest.json + uint8 shards, cached per DataConfig and
     ``source_fingerprint`` (plan_run's fingerprint of the source as it was when the run started).
 
-    ``partitions`` > 1 stages that many runs of whole shards in parallel (0: one per 4 GiB of staged
-    pixels): on a cluster a map task of :func:`stage_partition` pods, each uploading its shards to one
-    location in the store, then :func:`publish_staging` writes the manifest; in a local run, processes on
-    this machine. The bytes are those of one partition, so the partition count is not part of the cache
-    key. A staging already in the local directory is verified before it is reused; a damaged one (a shard
-    failing its check, an unreadable manifest) is staged again and swapped into place, with a warning
-    naming the file. An object-store source is read with the store settings flytekit has (FLYTE_AWS_* for
-    s3://), as Flyte reads its own data. Staging lists the source again and stages exactly that listing;
-    if the source changed since plan_run, the manifest and the output record what was staged (with a
-    warning), and the next run, fingerprinting the new state, stages it under its own key.
+    ``partitions`` > 1 stages that many runs of whole shards in parallel (0: one per 4 GiB of staged pixels):
+    on a cluster a map task of :func:`stage_partition_task` pods, each uploading its shards to one location in
+    the store, then :func:`publish_staging` writes the manifest; in a local run, processes on this machine.
+    The bytes are the same whatever the count, so it is not part of the cache key, nor are ``resources`` (the
+    partition pods' requests: the workflow input ``resources``' "stage" section). A staging already in the
+    local directory is verified before it is reused; a damaged one (a shard failing its check, an unreadable
+    manifest) is staged again and swapped into place, with a warning naming the file. An object-store source
+    is read with the store settings flytekit has (FLYTE_AWS_* for s3://), as Flyte reads its own data. Staging
+    lists the source again and stages exactly that listing; if the source changed since plan_run, the manifest
+    and the output record what was staged (with a warning), and the next run, fingerprinting the new state,
+    stages it under its own key.
     """
     try:
         check_partitions(partitions)
         if FlyteContextManager.current_context().execution_state.is_local_execution():
             return _stage_here(data, source_fingerprint, partitions)
-        source, _ = open_source(data, _progress, source_storage_options(data.source))
+        source, now = open_source(data, _progress, source_storage_options(data.source))
         partitions = choose_partitions(data, source.counts, partitions)
     except StagingError as exc:
         raise SourceStagingError(str(exc)) from None
+    _warn_if_changed(data, source_fingerprint, now)
     location = FlyteContextManager.current_context().file_access.get_random_remote_directory()
     print(f"stage_dataset: {partitions} partition(s) into {location}", flush=True)
-    stage_one = functools.partial(stage_partition_task, data=data, source_fingerprint=source_fingerprint,
-                                  location=location, partitions=partitions)
-    records = map_task(stage_one)(index=list(range(partitions)))
+    # The partitions stage the source as listed here, and refuse to if it changes before they list it.
+    stage_one = functools.partial(stage_partition_task, data=data, source_fingerprint=now, location=location,
+                                  partitions=partitions)
+    requests = partition_requests(data, source.count, partitions, resources or NodeResources())
+    # Limits as requested for memory and disk (a pod past them is stopped, not its node starved); CPU not.
+    limits = Resources(mem=requests.mem, ephemeral_storage=requests.ephemeral_storage)
+    records = map_task(stage_one)(index=list(range(partitions))).with_overrides(requests=requests,
+                                                                               limits=limits)
     return publish_staging(data=data, location=location, records=records)
+
+
+def partition_requests(data: DataConfig, count: int, partitions: int, given: NodeResources) -> Resources:
+    """A partition pod's requests: what the launch gave, else 2 CPUs, 4 GiB and room on the node's disk
+    for its share of the staging (which it holds until uploaded) plus a quarter."""
+    share = estimated_bytes(data, count) / partitions
+    return Resources(cpu=given.cpu or "2", mem=given.mem or "4Gi",
+                     ephemeral_storage=given.ephemeral_storage or gib(1.25 * share + (1 << 30)))
 
 
 def _progress(line: str) -> None:
@@ -109,16 +127,17 @@ def _stage_here(data: DataConfig, source_fingerprint: str, partitions: int) -> S
     manifest = stage(data, output, replace_unusable=True,  # the directory is this task's own
                      progress=_progress, storage_options=source_storage_options(data.source),
                      partitions=partitions)
-    _check_staged(data, source_fingerprint, manifest)
+    _warn_if_changed(data, source_fingerprint, manifest.source_fingerprint)
     mib, seconds = directory_bytes(output) / 2**20, time.perf_counter() - start
     print(f"stage_dataset: {summary(manifest)} ({mib:.1f} MiB in {seconds:.1f} s)", flush=True)
     return StagedDataset.from_manifest(output, manifest)
 
 
-def _check_staged(data: DataConfig, source_fingerprint: str, manifest) -> None:
-    if manifest.source_fingerprint != source_fingerprint:
+def _warn_if_changed(data: DataConfig, planned: str, staged: str) -> None:
+    """The source changed between plan_run's fingerprint and the staging: say so (what was staged wins)."""
+    if staged != planned:
         log.warning("the source %s changed after plan_run fingerprinted it (%s); staged as it is now (%s)",
-                    data.source, source_fingerprint, manifest.source_fingerprint)
+                    data.source, planned, staged)
 
 
 @task(retries=2, requests=Resources(cpu="2", mem="4Gi"))

@@ -36,11 +36,12 @@ from torch.distributed.elastic.rendezvous.api import RendezvousError
 
 from tasks.failures import STDERR_DIR_ENV, captured_stderr, first_failure, vanished_workers
 from tasks.rendezvous import rendezvous_failure
+from tasks.resources import CACHE_MARGIN, gib, quantity
 from tasks.storage import STORE_SECRET_KEYS, checkpoint_store, dataset_location, is_uri, resume_note
 from tasks.types import StagedDataset, Topology, TrainResult
 from traincore.checkpoint import as_store
 from traincore.config import Config
-from traincore.data import dataset_manifest
+from traincore.data import DEFAULT_CACHE_BYTES, NODE_CACHE_ENV, dataset_manifest
 from traincore.exitcodes import PREEMPTED_EXIT_CODE
 from traincore.run import (
     Preempted,
@@ -175,12 +176,28 @@ def task_settings(topology: Topology, wandb_secret: bool) -> dict[str, Any]:
     resources, GPUs, /dev/shm, the W&B secret and the environment."""
     return dict(
         shared_memory=True, metadata=TaskMetadata(retries=TRAIN_RETRIES),
-        requests=Resources(cpu=str(CPU_PER_PROCESS * topology.nproc_per_node),
-                           mem=f"{MEM_GIB_PER_PROCESS * topology.nproc_per_node}Gi",
-                           gpu=str(topology.gpus_per_node) if topology.gpus_per_node else None),
+        requests=node_requests(topology),
         accelerator=GPUAccelerator(topology.accelerator) if topology.accelerator else None,
         secret_requests=[*([WANDB_SECRET] if wandb_secret else []), *store_secrets(topology)] or None,
-        environment=restart_environment(topology))
+        environment={**restart_environment(topology), **cache_environment(topology)})
+
+
+def node_requests(topology: Topology) -> Resources:
+    """Each train node's requests: the ``resources`` input's ``train`` values, else 2 CPUs and 6 GiB per
+    process and the node's stream cache plus CACHE_MARGIN of ephemeral storage; the GPUs asked for."""
+    given = topology.resources
+    storage = given.ephemeral_storage or gib(DEFAULT_CACHE_BYTES + CACHE_MARGIN)
+    return Resources(cpu=given.cpu or str(CPU_PER_PROCESS * topology.nproc_per_node),
+                     mem=given.mem or f"{MEM_GIB_PER_PROCESS * topology.nproc_per_node}Gi",
+                     gpu=str(topology.gpus_per_node) if topology.gpus_per_node else None,
+                     ephemeral_storage=storage)
+
+
+def cache_environment(topology: Topology) -> dict[str, str]:
+    """The node's stream cache from its ephemeral-storage request, less CACHE_MARGIN (logs, TensorBoard
+    events, a checkpoint's staging): what ``loader.cache_bytes=0`` gives the node's processes."""
+    storage = int(quantity(node_requests(topology).ephemeral_storage))
+    return {NODE_CACHE_ENV: str(max(storage - CACHE_MARGIN, 0))}
 
 
 class TopologyTaskMixin:
@@ -358,6 +375,8 @@ def function_name(topology: Topology, wandb_secret: bool) -> str:
         parts.append(_digest(json.dumps(asdict(topology.slurm), sort_keys=True)))
     if topology.store_secret:
         parts.append(f"store-{_digest(topology.store_secret)}")
+    if topology.resources != default.resources:
+        parts.append(f"res-{_digest(json.dumps(asdict(topology.resources), sort_keys=True))}")
     if wandb_secret:
         parts.append("wandb")
     return f"train-{'-'.join(parts)}"

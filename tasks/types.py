@@ -39,6 +39,15 @@ class SlurmSettings:
 
 
 @dataclass
+class NodeResources:
+    """One task's requests per node, as Kubernetes quantities; "" = the task's default (tasks.resources)."""
+
+    cpu: str = ""  # e.g. "8" or "500m"
+    mem: str = ""  # e.g. "32Gi"
+    ephemeral_storage: str = ""  # node-local disk, e.g. "200Gi": the stream cache, a partition's shards
+
+
+@dataclass
 class Topology:
     """Where and how wide training runs: chosen at launch time, never by editing code."""
 
@@ -51,11 +60,13 @@ class Topology:
     rdzv_timeout_s: int = 900  # generous: pods may wait for a node scale-up or an image pull
     slurm: SlurmSettings = field(default_factory=SlurmSettings)
     store_secret: str = ""  # Flyte secret group with the object store's credentials, mounted as files
+    resources: NodeResources = field(default_factory=NodeResources)  # each train node's, set at launch
 
     @classmethod
     def from_dict(cls, data: dict) -> Topology:
         """The inverse of ``dataclasses.asdict`` (task keys carry topologies as JSON)."""
-        return cls(**{**data, "slurm": SlurmSettings(**data.get("slurm", {}))})
+        return cls(**{**data, "slurm": SlurmSettings(**data.get("slurm", {})),
+                      "resources": NodeResources(**data.get("resources", {}))})
 
 
 @dataclass

@@ -65,6 +65,7 @@ def training_pipeline(
     slurm_setup: str = "",
     store_secret: str = "",
     stage_partitions: int = 0,
+    resources: str = "",
 ) -> PipelineOutputs:
     """Train an image classifier with PyTorch (DDP or FSDP): stage the data, train, export and evaluate it.
 
@@ -108,6 +109,12 @@ def training_pipeline(
         stage_partitions: Stage the dataset in this many partitions side by side (a map task on a cluster,
             processes in a local run), each a run of whole shards; the staged bytes are the same whatever
             the count. 0 (the default) = one partition per 4 GiB of staged pixels.
+        resources: Requests per node, set at launch, as JSON with sections 'train' (each train node; CPU and
+            memory also become Slurm's --cpus-per-task and --mem) and 'stage' (each staging partition pod),
+            keys 'cpu', 'mem' and 'ephemeral_storage', e.g. '{"train": {"cpu": "16", "mem": "120Gi",
+            "ephemeral_storage": "200Gi"}}'. Empty = 2 CPUs and 6 GiB per process and the stream cache
+            plus 2 GiB of node disk (which sizes the cache) per train node; 2 CPUs, 4 GiB and the
+            partition's bytes plus a quarter per partition pod.
 
     Returns:
         model: The exported model (model.safetensors, its config JSON with its sha256, lineage.json).
@@ -121,9 +128,9 @@ def training_pipeline(
                     slurm_partition=slurm_partition, slurm_account=slurm_account,
                     slurm_time_limit=slurm_time_limit, slurm_sbatch_flags=slurm_sbatch_flags,
                     slurm_setup=slurm_setup, store_secret=store_secret, capacity=capacity,
-                    stage_partitions=stage_partitions)
+                    stage_partitions=stage_partitions, resources=resources)
     dataset = stage_dataset(data=plan.data, source_fingerprint=plan.source_fingerprint,
-                            partitions=stage_partitions)
+                            partitions=stage_partitions, resources=plan.stage_resources)
     trained = train_on_backend(config=plan.config, dataset=dataset, topology=plan.topology,
                                checkpoint_uri=checkpoint_uri, capacity=capacity)
     model = export_model(trained=trained, dataset=dataset)

@@ -46,6 +46,8 @@ def retrain_and_promote(
     slurm_sbatch_flags: str = "",
     slurm_setup: str = "",
     store_secret: str = "",
+    stage_partitions: int = 0,
+    resources: str = "",
 ) -> Promotion:
     """Retrain, evaluate the new model and the one in service on the same new test split, and publish the
     new one to the registry only if it is good enough and not worse than the one in service.
@@ -86,6 +88,8 @@ def retrain_and_promote(
         slurm_sbatch_flags: See training_pipeline.
         slurm_setup: See training_pipeline.
         store_secret: See training_pipeline.
+        stage_partitions: See training_pipeline.
+        resources: See training_pipeline.
 
     Returns:
         The verdict with both models' figures on the new test split and the version published.
@@ -101,7 +105,8 @@ def retrain_and_promote(
         accelerator=accelerator, max_restarts=max_restarts, parallelism=parallelism,
         checkpoint_uri=checkpoint_uri, capacity=capacity, slurm_target=slurm_target,
         slurm_partition=slurm_partition, slurm_account=slurm_account, slurm_time_limit=slurm_time_limit,
-        slurm_sbatch_flags=slurm_sbatch_flags, slurm_setup=slurm_setup, store_secret=store_secret)
+        slurm_sbatch_flags=slurm_sbatch_flags, slurm_setup=slurm_setup, store_secret=store_secret,
+        stage_partitions=stage_partitions, resources=resources)
     return promotion_gate(model=model, report=report, dataset=dataset, champion=champion,
                           promoted_uri=promoted_uri, threshold=threshold, tolerance=tolerance)
 

@@ -109,6 +109,8 @@ def tune_pipeline(
     slurm_sbatch_flags: str = "",
     slurm_setup: str = "",
     store_secret: str = "",
+    stage_partitions: int = 0,
+    resources: str = "",
 ) -> TuningOutputs:
     """Search hyperparameters by successive halving, then export and evaluate the best trial's model.
 
@@ -145,6 +147,8 @@ def tune_pipeline(
         slurm_sbatch_flags: See training_pipeline.
         slurm_setup: See training_pipeline.
         store_secret: See training_pipeline.
+        stage_partitions: See training_pipeline.
+        resources: See training_pipeline ('train': each trial's nodes).
 
     Returns:
         model: The best trial's exported model; its lineage names the search, the trial, its parameters.
@@ -159,10 +163,12 @@ def tune_pipeline(
                     parallelism=parallelism, checkpoint_uri=checkpoint_uri, slurm_target=slurm_target,
                     slurm_partition=slurm_partition, slurm_account=slurm_account,
                     slurm_time_limit=slurm_time_limit, slurm_sbatch_flags=slurm_sbatch_flags,
-                    slurm_setup=slurm_setup, store_secret=store_secret, capacity=capacity)
+                    slurm_setup=slurm_setup, store_secret=store_secret, capacity=capacity,
+                    stage_partitions=stage_partitions, resources=resources)
     search = plan_search(config=plan.config, search_space=search_space, trials=trials, parallel=parallel,
                          rungs=rungs, reduction=reduction, metric=metric, checkpoint_uri=checkpoint_uri)
-    dataset = stage_dataset(data=plan.data, source_fingerprint=plan.source_fingerprint)
+    dataset = stage_dataset(data=plan.data, source_fingerprint=plan.source_fingerprint,
+                            partitions=stage_partitions, resources=plan.stage_resources)
     search >> dataset  # a bad search fails before anything stages
     outcome, best = run_rung(search=search, config=plan.config, rung=0, trials=[], dataset=dataset,
                              topology=plan.topology, capacity=capacity, done=[])

@@ -188,6 +188,9 @@ class SlurmTrainConnector(AsyncConnectorBase):
         # job id -> final outcome and message: what a local run prints or raises once the job ended. A
         # local run takes its entry; a connector service never does, so only the newest LAST_KEPT are kept.
         self.last: dict[str, JobEnd] = {}
+        # The job this process submitted and still follows (a local run follows one at a time): what Ctrl-C
+        # cancels, from the moment sbatch answered.
+        self.following: SlurmJobMeta | None = None
 
     async def _client(self, target: str) -> SlurmClient:
         """One SSH connection per target, reopened after a failure."""
@@ -222,12 +225,13 @@ class SlurmTrainConnector(AsyncConnectorBase):
                                   sbatch_args(topology, config.checkpoint.preemption_grace_s, request),
                                   forwarded_env(os.environ))
         log.info("submitted Slurm job %s to %s (%d node(s))", job_id, target, topology.nnodes)
+        self.following = SlurmJobMeta(job_id=job_id, target=target, output_prefix=output_prefix,
+                                      checkpoint_root=checkpoint_root)
         try:
             await self._call(target, "prune", JOBS_DIR, KEEP_JOB_DIRS)
         except SlurmError as exc:  # housekeeping: never fail a submitted job over it
             log.warning("could not prune old job directories on %s: %s", target, exc)
-        return SlurmJobMeta(job_id=job_id, target=target, output_prefix=output_prefix,
-                            checkpoint_root=checkpoint_root)
+        return self.following
 
     async def get(self, resource_meta: SlurmJobMeta, **kwargs: Any) -> Resource:
         """The job's Flyte phase; a finished job's message: its summary, or its first failure."""
@@ -332,6 +336,8 @@ class SlurmTrainTask(TopologyTaskMixin, AsyncConnectorExecutorMixin, PythonFunct
         # flytekit serialises the template before submitting it and insists on an image; a Slurm job runs
         # in the environment its set-up lines activate, so flytekit's default image name only fills the field.
         settings = ctx.serialization_settings or SerializationSettings(ImageConfig.auto_default_image())
+        if on_ctrl_c not in FlyteContextManager.signal_handlers:
+            FlyteContextManager.add_signal_handler(on_ctrl_c)
         try:
             with FlyteContextManager.with_context(ctx.with_serialization_settings(settings)):
                 outputs = super().execute(**kwargs)
@@ -345,15 +351,22 @@ class SlurmTrainTask(TopologyTaskMixin, AsyncConnectorExecutorMixin, PythonFunct
             if end.outcome is Outcome.RETRYABLE:  # timed out, node or worker lost: retries apply
                 raise FlyteRecoverableException(end.message) from None
             raise FlyteUserException(end.message) from None
+        finally:
+            CONNECTOR.following = None
         print(CONNECTOR.last.pop(self.resource_meta.job_id).message, flush=True)
         return outputs
 
-    def connector_signal_handler(self, resource_meta: SlurmJobMeta, signum: int, frame: Any) -> None:
-        """Ctrl-C: cancel the job, say so and exit (130 for SIGINT) without a traceback. flytekit's own
-        handler runs the async delete with asyncio.run while its event loop runs the task, which raises
-        before delete starts (flytekit 1.16)."""
-        print(CONNECTOR.cancel_now(resource_meta), file=sys.stderr, flush=True)
-        raise SystemExit(128 + signum)
+
+def on_ctrl_c(signum: int, frame: Any) -> None:
+    """Ctrl-C in a local run: cancel the job being followed, if any, say so and exit (130 for SIGINT)
+    without a traceback. Registered with flytekit's signal handlers before the job is submitted: flytekit
+    adds the task's own handler only once ``create`` has returned, and with no handler a Ctrl-C between
+    sbatch's answer and then exits 1 and leaves the job running; this one runs first and exits, so
+    flytekit's (which runs the async delete with asyncio.run inside the running event loop, and raises
+    before the delete starts, flytekit 1.16) never runs."""
+    if CONNECTOR.following is not None:
+        print(CONNECTOR.cancel_now(CONNECTOR.following), file=sys.stderr, flush=True)
+    raise SystemExit(128 + signum)
 
 
 CONNECTOR = SlurmTrainConnector()

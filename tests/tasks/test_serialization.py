@@ -18,7 +18,8 @@ from flytekit.models.task import Resources
 from flytekit.tools.module_loader import load_object_from_module
 from google.protobuf.json_format import MessageToDict
 
-from tasks.types import Topology
+from tasks.types import NodeResources, Topology
+from traincore.data import NODE_CACHE_ENV
 
 ROOT = Path(__file__).resolve().parents[2]
 ResourceName = Resources.ResourceName
@@ -77,6 +78,17 @@ def test_packaged_staging_is_cached_by_format_version(package):
     assert metadata.discoverable and metadata.discovery_version == f"staging-format-{FORMAT_VERSION}"
 
 
+def test_the_resources_input_sizes_each_train_node_and_its_stream_cache():
+    sized = NodeResources(cpu="16", mem="120Gi", ephemeral_storage="202Gi")
+    default = Topology(backend="kubernetes", nnodes=2, nproc_per_node=4)
+    template = compile_train(Topology(backend="kubernetes", nnodes=2, nproc_per_node=4, resources=sized))
+    requests = {entry.name: entry.value for entry in template.container.resources.requests}
+    assert requests == {ResourceName.CPU: "16", ResourceName.MEMORY: "120Gi",
+                        ResourceName.EPHEMERAL_STORAGE: "202Gi"}
+    assert template.container.env[NODE_CACHE_ENV] == str(200 << 30)
+    assert template.id.name != compile_train(default).id.name  # another template, another task ID
+
+
 def test_multi_node_launch_becomes_an_elastic_pytorch_job_with_the_requested_gpus():
     topology = Topology(backend="kubernetes", nnodes=2, nproc_per_node=4, gpus_per_node=4,
                         accelerator="nvidia-tesla-a100", rdzv_timeout_s=1200)
@@ -87,7 +99,10 @@ def test_multi_node_launch_becomes_an_elastic_pytorch_job_with_the_requested_gpu
     assert template.custom["workerReplicas"] == {"replicas": 2}
     assert template.custom["runPolicy"] == {"cleanPodPolicy": "CLEANPOD_POLICY_ALL"}
     requests = {entry.name: entry.value for entry in template.container.resources.requests}
-    assert requests == {ResourceName.CPU: "8", ResourceName.MEMORY: "24Gi", ResourceName.GPU: "4"}
+    # The node's disk: the stream cache (8 GiB by default) and 2 GiB more; the cache is told its size.
+    assert requests == {ResourceName.CPU: "8", ResourceName.MEMORY: "24Gi", ResourceName.GPU: "4",
+                        ResourceName.EPHEMERAL_STORAGE: "10Gi"}
+    assert template.container.env[NODE_CACHE_ENV] == str(8 << 30)
     assert template.extended_resources.gpu_accelerator.device == "nvidia-tesla-a100"
     assert MessageToDict(template.extended_resources)["sharedMemory"] == SHM
     # The pod rebuilds exactly this task from its command line.

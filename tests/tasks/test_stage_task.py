@@ -9,12 +9,14 @@ import shutil
 from pathlib import Path
 
 import pytest
+from dynamic_compile import compile_stage  # noqa: I001  (a module beside this file)
 from flytekit import workflow
+from flytekit.models.task import Resources
 
 import tasks.stage
 from tasks.plan import plan_run
 from tasks.stage import SourceStagingError, stage_dataset
-from tasks.types import StagedDataset
+from tasks.types import NodeResources, StagedDataset
 from traincore.config.schema import DataConfig
 from traincore.data.fingerprint import source_fingerprint
 from traincore.data.manifest import Manifest
@@ -115,3 +117,19 @@ def test_a_negative_partition_count_is_refused_by_the_staging_too(monkeypatch):
     monkeypatch.setattr(stage_dataset.metadata, "cache_version", "negative-partitions")  # the body runs
     with pytest.raises(SourceStagingError, match="partitions=-2: give a whole number >= 1"):
         stage_dataset(data=DATA, source_fingerprint=FINGERPRINT, partitions=-2)
+
+
+def test_on_a_cluster_the_staging_is_a_map_task_of_partition_pods_sized_for_their_share():
+    data = DataConfig(source="synthetic", image_size=64, synthetic_samples=1000, synthetic_classes=4,
+                      samples_per_shard=100)
+    spec = compile_stage(data, 3, NodeResources(mem="6Gi"))
+    (array,) = [node for node in spec.nodes if node.array_node is not None]
+    assert set(array.array_node._bound_inputs) == {"data", "location", "partitions", "source_fingerprint"}
+    (indices,) = [b.binding.collection for b in array.inputs if b.var == "index"]
+    assert [b.scalar.primitive.integer for b in indices.bindings] == [0, 1, 2]
+    requests = {r.name: r.value for r in array.array_node.node.task_node.overrides.resources.requests}
+    # A third of 12.3 MB staged, plus a quarter, plus 1 GiB, in whole GiB; the memory as given.
+    assert requests == {Resources.ResourceName.CPU: "2", Resources.ResourceName.MEMORY: "6Gi",
+                        Resources.ResourceName.EPHEMERAL_STORAGE: "2Gi"}
+    published = [task.id.name for task in spec.tasks if "publish" in task.id.name]
+    assert published == ["tasks.stage.publish_staging"]

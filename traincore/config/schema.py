@@ -259,8 +259,9 @@ class LoaderConfig:
     """Augment training batches on the device: mirror half of the images left to right."""
     cache_bytes: int = 0
     """Node-local disk, in bytes, each process may use to cache a dataset streamed from an object store
-    (data.stream); 0 = 8 GiB shared by the node's processes, at most half the free space where the cache is.
-    It must hold the batches in flight: 5 x batch_size samples."""
+    (data.stream); 0 = the node's cache shared by its processes: on a Flyte train node its ephemeral-storage
+    request less 2 GiB (the ``resources`` input; 10 GiB by default), elsewhere 8 GiB at most half the free
+    space where the cache is. It must hold the batches in flight: 5 x batch_size samples."""
 
     def __post_init__(self) -> None:
         _check_types(self, "loader")

@@ -23,6 +23,7 @@ from traincore.data.manifest import FORMAT_VERSION, MANIFEST, Manifest, StagingE
 from traincore.data.partitions import PartitionRecord, check_partitions, choose_partitions, staging_key
 from traincore.data.staging import (
     directory_bytes,
+    estimated_bytes,
     merge_partitions,
     open_source,
     stage,
@@ -30,6 +31,8 @@ from traincore.data.staging import (
     summary,
 )
 from traincore.data.stream import (
+    DEFAULT_CACHE_BYTES,
+    NODE_CACHE_ENV,
     Batch,
     StreamedSplit,
     StreamError,
@@ -40,9 +43,10 @@ from traincore.data.stream import (
 )
 
 __all__ = [
-    "autotune", "Batch", "cache_limit", "check_partitions", "choose_partitions", "dataset_manifest",
-    "directory_bytes", "epoch_batches", "eval_batches", "FORMAT_VERSION", "MANIFEST", "Manifest",
-    "merge_partitions", "Normalizer", "open_source", "open_streamed", "PartitionRecord",
-    "source_fingerprint", "stage", "stage_partition", "StagedLoader", "StagedSplit", "staging_key",
-    "StagingError", "StreamedSplit", "StreamError", "summary", "verify_staging", "verify_streamed",
+    "autotune", "Batch", "DEFAULT_CACHE_BYTES", "NODE_CACHE_ENV", "cache_limit", "check_partitions",
+    "choose_partitions", "dataset_manifest", "directory_bytes", "estimated_bytes", "epoch_batches",
+    "eval_batches", "FORMAT_VERSION", "MANIFEST", "Manifest", "merge_partitions", "Normalizer",
+    "open_source", "open_streamed", "PartitionRecord", "source_fingerprint", "stage", "stage_partition",
+    "StagedLoader", "StagedSplit", "staging_key", "StagingError", "StreamedSplit", "StreamError",
+    "summary", "verify_staging", "verify_streamed",
 ]

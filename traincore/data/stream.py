@@ -48,6 +48,9 @@ from traincore.data.manifest import MANIFEST, RESTAGE, SPLITS, Manifest, ShardIn
 Batch = tuple[torch.Tensor, torch.Tensor]  # images and labels, as every split and loader yields them
 WINDOW = 4  # batches fetched ahead of the one training: 4 x a GET's latency is far below a step's time
 DEFAULT_CACHE_BYTES = 8 << 30  # a node's cache with loader.cache_bytes=0, shared by its processes
+# A node's cache in bytes, set by whoever sized the node's disk (the train task: its ephemeral-storage
+# request, less a margin); it replaces DEFAULT_CACHE_BYTES.
+NODE_CACHE_ENV = "TRAINCORE_NODE_CACHE_BYTES"
 DIGEST_BYTES = 32
 
 
@@ -310,13 +313,19 @@ class StreamedSplit:
 
 
 def cache_limit(cache_bytes: int, directory: str | Path | None = None) -> int:
-    """This process's cache size: ``cache_bytes`` as given, or for 0 the node's default (DEFAULT_CACHE_BYTES,
-    at most half the free space where the cache goes) shared by the node's processes (LOCAL_WORLD_SIZE)."""
+    """This process's cache size: ``cache_bytes`` as given, or for 0 the node's (NODE_CACHE_ENV when set,
+    else DEFAULT_CACHE_BYTES at most half the free space where the cache goes) shared by the node's
+    processes (LOCAL_WORLD_SIZE)."""
     if cache_bytes:
         return cache_bytes
-    where = Path(directory or tempfile.gettempdir())
-    free = shutil.disk_usage(where if where.exists() else where.parent).free
-    return min(DEFAULT_CACHE_BYTES, free // 2) // int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+    sized = os.environ.get(NODE_CACHE_ENV, "")
+    if sized.isdigit():
+        node = int(sized)
+    else:
+        where = Path(directory or tempfile.gettempdir())
+        free = shutil.disk_usage(where if where.exists() else where.parent).free
+        node = min(DEFAULT_CACHE_BYTES, free // 2)
+    return node // int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
 
 
 def verify_streamed(store: Store, cfg: LoaderConfig, splits: tuple[str, ...] = ("train", "val")) -> Manifest:

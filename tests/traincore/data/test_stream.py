@@ -15,7 +15,7 @@ from trainruns import CHECKPOINTED, final_weights
 from traincore.checkpoint import Store
 from traincore.config import DataConfig, LoaderConfig
 from traincore.data import StagedLoader, StagedSplit, StreamedSplit, StreamError, stage
-from traincore.data.stream import WINDOW, cache_limit, open_streamed, verify_streamed
+from traincore.data.stream import NODE_CACHE_ENV, WINDOW, cache_limit, open_streamed, verify_streamed
 
 DATA = DataConfig(source="synthetic", image_size=16, synthetic_samples=640, synthetic_classes=4,
                   samples_per_shard=64)
@@ -133,6 +133,9 @@ def test_the_default_cache_is_shared_by_the_nodes_processes(tmp_path, monkeypatc
     assert cache_limit(12345, tmp_path) == 12345
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")
     assert 0 < cache_limit(0, tmp_path) <= (8 << 30) // 4
+    # A node whose launcher sized its disk (the train task, from its ephemeral-storage request).
+    monkeypatch.setenv(NODE_CACHE_ENV, str(200 << 30))
+    assert cache_limit(0, tmp_path) == (50 << 30) and cache_limit(12345, tmp_path) == 12345
 
 
 def test_a_run_streamed_and_resumed_on_three_ranks_ends_bitwise_as_the_same_run_from_disk(
