@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 import uuid
@@ -62,7 +63,10 @@ TRAIN_NODE = "n2-0-dn0"  # the train task inside the @dynamic train_on_backend n
 # The example team package's model (examples/teamnet), which fast registration ships with the code.
 MODEL = {"name": "examples.teamnet.models:resnet_tiny", "kwargs": {"width": 16, "depth": 1}}
 # Shards of 512 digits: the train split's three shards are staged by two partitions (a map task of two pods).
-CONFIG = json.dumps({"model": MODEL, "data": {"samples_per_shard": 512}, "loader": {"batch_size": 8},
+# A stream cache of 400 KB per process: the 1.8 MB staged is 4.6x what a pod may keep on its disk.
+CACHE_BYTES = 400_000
+CONFIG = json.dumps({"model": MODEL, "data": {"samples_per_shard": 512},
+                     "loader": {"batch_size": 8, "cache_bytes": CACHE_BYTES},
                      "optim": {"lr": 0.01},
                      "checkpoint": {"every": EVERY, "mode": "async"}, "telemetry": {"tensorboard": False}})
 TWO_PODS = ("backend=kubernetes", "nnodes=2", "nproc_per_node=1", "max_restarts=1", "parallelism=fsdp")
@@ -193,6 +197,28 @@ def test_the_dataset_is_staged_by_a_map_task_of_two_pods_into_the_bucket(two_pod
 
 
 @LONG
+def test_streamed_through_a_cache_a_quarter_of_the_dataset_it_trains_as_from_local_disk(two_pods, tmp_path):
+    """The same 2-pod fsdp run from the replay's local store (the dataset memory-mapped from disk) ends with
+    bitwise the weights of the run that streamed it from the bucket, whose pods each kept at most
+    CACHE_BYTES of it (the cache is one file of that many bytes' slots: tests/traincore/data/
+    test_stream.py), while the staged dataset is over 4x that."""
+    logs = [path.read_text(errors="replace") for path in (two_pods.workdir / "pods").glob("*/log*")
+            if "streaming s3://" in path.read_text(errors="replace")]
+    assert logs, "no pod said it streamed the dataset"
+    line = next(line for line in logs[0].splitlines() if "streaming s3://" in line)
+    staged = float(re.search(r"\(([0-9.]+) MiB staged\)", line).group(1)) * 2**20
+    cached = int(re.search(r"\((\d+) samples\)", line).group(1)) * 32 * 32  # digits: 1x32x32 uint8
+    assert cached <= CACHE_BYTES and staged >= 4 * cached, line
+    root = tmp_path / "checkpoints"
+    code, output, _ = run_replay(two_pods.package, tmp_path / "run", *TWO_PODS, f"max_steps={MAX_STEPS}",
+                                 f"config_overrides={CONFIG}", f"checkpoint_uri={root}", env=two_pods.s3.env)
+    assert code == 0, output[-6000:]
+    assert "streaming s3://" not in "".join(p.read_text(errors="replace")
+                                            for p in (tmp_path / "run" / "pods").glob("*/log*"))
+    assert bitwise_equal(weights(Store(root), MAX_STEPS), two_pods.final)
+
+
+@LONG
 def test_two_pods_checkpoint_into_s3_every_rank_its_own_shards(two_pods):
     s3, summary = two_pods.s3, two_pods.summary
     train = summary["node_outputs"][TRAIN_NODE]["o0"]
@@ -260,7 +286,9 @@ def test_one_pod_of_two_processes_resumes_a_copy_of_the_root(two_pods, tmp_path)
     # Fast registration end to end with the replay's default store, a local directory: every node ran, the
     # train node as the task for 1 node x 2 processes in one pod, which fetched the code tarball into its
     # own directory and ran from there, not from the checkout; the first attempt has no previous checkpoint.
-    assert [n["node_id"] for n in run.summary["nodes"]] == ["n0", "n1", "n2", TRAIN_NODE, "n3", "n4"]
+    # The staging's map task and publish step run inside the stage node, the train task inside n2.
+    assert [n["node_id"] for n in run.summary["nodes"]] == ["n0", "n1", "n1-0-dn0", "n1-0-dn1", "n2",
+                                                          TRAIN_NODE, "n3", "n4"]
     (node,) = [node for node in run.summary["nodes"] if node["node_id"] == TRAIN_NODE]
     assert node["task"].endswith("1x2") and node["pods"] == 1
     (pod,) = workdir.glob(f"pods/{run.summary['execution']}-{TRAIN_NODE}-0*")

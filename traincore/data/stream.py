@@ -28,6 +28,7 @@ from __future__ import annotations
 import copy
 import hashlib
 import itertools
+import logging
 import mmap
 import os
 import shutil
@@ -44,6 +45,8 @@ import torch
 from traincore.checkpoint import STORE_ACCESS_FIX, Store, error_reason
 from traincore.config import LoaderConfig
 from traincore.data.manifest import MANIFEST, RESTAGE, SPLITS, Manifest, ShardInfo, StagingError, check_labels
+
+log = logging.getLogger(__name__)
 
 Batch = tuple[torch.Tensor, torch.Tensor]  # images and labels, as every split and loader yields them
 WINDOW = 4  # batches fetched ahead of the one training: 4 x a GET's latency is far below a step's time
@@ -165,6 +168,9 @@ def open_streamed(store: Store, splits: tuple[str, ...], cache_bytes: int,
     manifest = dataset_manifest(store)
     directory = Path(cache_dir or tempfile.gettempdir()) / "traincore-stream"
     cache = SampleCache(directory, cache_bytes // manifest.sample_bytes, manifest.sample_bytes)
+    staged = sum(info.count for info in manifest.splits.values()) * manifest.sample_bytes
+    log.info("streaming %s (%.1f MiB staged) through a node-local cache of %.1f MiB (%d samples) in %s",
+             store, staged / 2**20, cache.slots * manifest.sample_bytes / 2**20, cache.slots, directory)
     return [StreamedSplit(store, manifest, split, cache, normalization) for split in splits]
 
 
