@@ -33,13 +33,18 @@ def compile_dynamic(topology: Topology, capacity: str = "on-demand"):
                             source_fingerprint="digits:sha256:" + "0" * 32)
     inputs = {"config": preset("digits"), "dataset": dataset, "topology": topology,
               "checkpoint_uri": "s3://bucket/run", "capacity": capacity}
-    train_on_backend._wf = None  # flytekit compiles a dynamic once per process (a pod runs one); start afresh
+    return run_dynamic(train_on_backend, inputs)
+
+
+def run_dynamic(task, inputs: dict):
+    """``task`` (a @dynamic) run on ``inputs`` as in a pod: the DynamicJobSpec it emits."""
+    task._wf = None  # flytekit compiles a dynamic once per process (a pod runs one); start afresh
     ctx = FlyteContextManager.current_context()
     with FlyteContextManager.with_context(ctx.with_serialization_settings(SETTINGS)) as ctx:
         state = ctx.execution_state.with_params(mode=ExecutionState.Mode.TASK_EXECUTION)
         with FlyteContextManager.with_context(ctx.with_execution_state(state)) as ctx:
-            literals = TypeEngine.dict_to_literal_map(ctx, inputs, train_on_backend.python_interface.inputs)
-            return train_on_backend.dispatch_execute(ctx, literals)
+            literals = TypeEngine.dict_to_literal_map(ctx, inputs, task.python_interface.inputs)
+            return task.dispatch_execute(ctx, literals)
 
 
 def compile_train(topology: Topology) -> TaskTemplate:
@@ -52,10 +57,4 @@ def compile_stage(data: DataConfig, partitions: int, resources: NodeResources | 
     """Run the staging @dynamic as the cluster would: the DynamicJobSpec of its map task and publish step."""
     inputs = {"data": data, "source_fingerprint": source_fingerprint(data), "partitions": partitions,
               "resources": resources}
-    stage_dataset._wf = None
-    ctx = FlyteContextManager.current_context()
-    with FlyteContextManager.with_context(ctx.with_serialization_settings(SETTINGS)) as ctx:
-        state = ctx.execution_state.with_params(mode=ExecutionState.Mode.TASK_EXECUTION)
-        with FlyteContextManager.with_context(ctx.with_execution_state(state)) as ctx:
-            literals = TypeEngine.dict_to_literal_map(ctx, inputs, stage_dataset.python_interface.inputs)
-            return stage_dataset.dispatch_execute(ctx, literals)
+    return run_dynamic(stage_dataset, inputs)

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import sys
+import textwrap
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -47,3 +49,25 @@ def saved(data_dir: Path, forked_train: Callable[..., str],
             roots[name] = out / "checkpoints"
         return roots[name]
     return get
+
+
+@pytest.fixture
+def user_module(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Callable[[str, str], None]]:
+    """``install(name, source)``: a module of the user's (a dataset factory), importable here and in the
+    decode and partition processes staging starts; datasets opened before are forgotten."""
+    from traincore.data.pysource import open_dataset
+
+    site, names = tmp_path / "site", []
+    site.mkdir()
+    monkeypatch.syspath_prepend(str(site))
+    monkeypatch.setenv("PYTHONPATH", str(site))  # the processes staging starts import it too
+
+    def install(name: str, source: str) -> None:
+        (site / f"{name}.py").write_text(textwrap.dedent(source))
+        names.append(name)
+        open_dataset.cache_clear()
+
+    yield install
+    open_dataset.cache_clear()
+    for name in names:
+        sys.modules.pop(name, None)

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import dataclasses
 import shutil
-import textwrap
 
 import pytest
 
@@ -17,7 +16,6 @@ from traincore.data.partitions import (
     merge_records,
     partition_ranges,
 )
-from traincore.data.pysource import open_dataset
 from traincore.data.staging import open_source, stage, stage_partition, write_partition
 
 
@@ -102,14 +100,8 @@ UNNAMED = '''
 
 
 @pytest.fixture
-def unnamed(tmp_path, monkeypatch):
-    (tmp_path / "site").mkdir()
-    (tmp_path / "site" / "unnamed.py").write_text(textwrap.dedent(UNNAMED))
-    monkeypatch.syspath_prepend(str(tmp_path / "site"))
-    monkeypatch.setenv("PYTHONPATH", str(tmp_path / "site"))  # partition and decode processes import it
-    open_dataset.cache_clear()
-    yield
-    open_dataset.cache_clear()
+def unnamed(user_module):
+    user_module("unnamed", UNNAMED)
 
 
 def test_labels_that_name_the_classes_are_merged_across_partitions(unnamed, tmp_path):

@@ -2,15 +2,12 @@
 
 from __future__ import annotations
 
-import textwrap
-
 import numpy as np
 import pytest
 
 from traincore.config.schema import DataConfig
 from traincore.data.loader import StagedSplit
 from traincore.data.manifest import StagingError
-from traincore.data.pysource import open_dataset
 from traincore.data.staging import stage
 
 MODULE = '''
@@ -176,15 +173,8 @@ MODULE = '''
 
 
 @pytest.fixture
-def shades(tmp_path, monkeypatch):
-    (tmp_path / "site").mkdir()
-    (tmp_path / "site" / "shades.py").write_text(textwrap.dedent(MODULE))
-    monkeypatch.syspath_prepend(str(tmp_path / "site"))
-    monkeypatch.setenv("PYTHONPATH", str(tmp_path / "site"))  # the decode workers import it too
-    open_dataset.cache_clear()
-    yield
-    open_dataset.cache_clear()
-    monkeypatch.delitem(__import__("sys").modules, "shades", raising=False)
+def shades(user_module):
+    user_module("shades", MODULE)
 
 
 @pytest.mark.parametrize("workers", [1, 2])
