@@ -6,10 +6,11 @@ torchrun forwards SIGTERM and SIGINT to its workers (and SIGKILLs them 30 s late
 Ctrl-C. :class:`PreemptionWatch` turns any of SIGTERM, SIGINT and SIGUSR1 into a request to stop; the
 signal handler only records it, since collectives or I/O inside a handler can deadlock. At each step
 boundary the ranks agree on whether to stop, and on whether to save (``checkpoint.every_s``: a wall-clock
-interval that runs out on each rank's own clock): a two-element all-reduce (MAX) on a gloo group of the
-watch's own, started at one boundary and read at the next, so it overlaps a step instead of adding a round
-trip to it. All ranks read the same result at the same boundary, so they stop (or save) after the same
-step even when the signal reached them, or their clocks ran out, at different steps. The Trainer then
+interval that runs out on each rank's own clock): a three-element all-reduce (MAX: stop, save, a long
+step) on a gloo group of the watch's own, started at one boundary and read at the next, so it overlaps a
+step instead of adding a round trip to it (while steps take PROMPT_STEP_S or longer, each boundary reads
+its own instead). All ranks read the same result at the same boundary, so they stop (or save) after the
+same step even when the signal reached them, or their clocks ran out, at different steps. The Trainer then
 saves that step and raises :class:`Preempted`.
 
 The budget (``checkpoint.preemption_grace_s``) counts from the first signal. When it runs out before the
@@ -51,6 +52,12 @@ Kubernetes' terminationGracePeriodSeconds both default to 30."""
 EXIT_MARGIN_S = 1.0
 """Kept free before the launcher's SIGKILL: it counts from when the launcher got the signal, a little before
 this process did."""
+PROMPT_STEP_S = 0.25
+"""A step at least this long makes every boundary wait for its own agreement: a stop then comes after the
+step the signal arrived in (half a step's wait on average) instead of the one after it, which matters when
+steps take seconds and the grace is 20 s (a 1 GB state into an object store: bench/preemption.py). The wait
+is one all-reduce of three integers on gloo, under a millisecond on one node: under 0.4% of such a step.
+Shorter steps keep the overlapped agreement, where a millisecond would be a measurable share."""
 RECORD_FILE = "preempted.json"
 """Written by rank 0 into the checkpoint root when the run stops on a signal: step, signal, checkpoint (and
 the committed step a resume loads when that save failed). The root, not the output directory: a launcher and
@@ -167,6 +174,7 @@ class PreemptionWatch:
         self._timer: threading.Timer | None = None
         self._ending = threading.Lock()
         self._group = self._flags = self._work = None
+        self._prompt, self._boundary_at = False, None
         if main and (warning := grace_warning(grace_s)):
             log.warning(warning)
         if world_size > 1 and dist.is_initialized():
@@ -237,19 +245,32 @@ class PreemptionWatch:
 
         Distributed, the answer is the one agreed from the flags of the previous boundary (a collective
         started there, read here, so it overlaps a step); this boundary's flags go into the next one. A
-        rank whose save the agreement already calls for does not propose another.
+        rank whose save the agreement already calls for does not propose another. Once the ranks have agreed
+        that a step took PROMPT_STEP_S or longer, each boundary also waits for its own flags' agreement (see
+        PROMPT_STEP_S); every rank reads that from the same agreement, so all wait at the same boundaries.
         """
+        now = time.monotonic()
+        long_step = self._boundary_at is not None and now - self._boundary_at >= PROMPT_STEP_S
+        self._boundary_at = now
         if self._group is None:
             return Agreement(stop=self.signal_name is not None, save=save_due)
-        agreed = Agreement(stop=False, save=False)
-        if self._work is not None:
-            self._work.wait()
-            agreed = Agreement(stop=bool(self._flags[0]), save=bool(self._flags[1]))
-        if not agreed.stop:
-            self._flags = torch.tensor([int(self.signal_name is not None), int(save_due and not agreed.save)],
-                                       dtype=torch.int32)
-            self._work = dist.all_reduce(self._flags, op=dist.ReduceOp.MAX, group=self._group, async_op=True)
-        return agreed
+        agreed = self._read() if self._work is not None else Agreement(stop=False, save=False)
+        if agreed.stop:
+            return agreed
+        self._flags = torch.tensor([int(self.signal_name is not None), int(save_due and not agreed.save),
+                                    int(long_step)], dtype=torch.int32)
+        self._work = dist.all_reduce(self._flags, op=dist.ReduceOp.MAX, group=self._group, async_op=True)
+        if not self._prompt:
+            return agreed
+        now_agreed = self._read()
+        return Agreement(stop=now_agreed.stop, save=agreed.save or now_agreed.save)
+
+    def _read(self) -> Agreement:
+        """Wait for the agreement in flight; note whether it calls for prompt agreements from now on."""
+        self._work.wait()
+        self._work = None
+        self._prompt = bool(self._flags[2])
+        return Agreement(stop=bool(self._flags[0]), save=bool(self._flags[1]))
 
     def finish(self) -> None:
         """The loop ended normally: wait for the last agreement every rank started."""

@@ -18,6 +18,7 @@ from traincore.exitcodes import PREEMPTED_EXIT_CODE
 from traincore.run.dist import distributed
 from traincore.run.preemption import (
     PREEMPTION_SIGNALS,
+    PROMPT_STEP_S,
     Preempted,
     PreemptionWatch,
     clear_record,
@@ -185,6 +186,33 @@ def test_ranks_signalled_at_different_steps_stop_after_the_same_one(tmp_path):
     # Rank 1's flag goes into the agreement started after step 3, which every rank reads after step 4.
     assert [record["stopped_after"] for record in records] == [4, 4]
     assert [record["signal"] for record in records] == [None, "SIGTERM"]
+
+
+def _long_step_stop(rank: int, out_dir: Path) -> dict:
+    """Steps 1..10 of 0.3 s each (over PROMPT_STEP_S); rank 1 is signalled in the middle of step 5."""
+    with distributed(CFG):
+        watch = PreemptionWatch(grace_s=20.0, world_size=2)
+        try:
+            for step in range(1, 11):
+                time.sleep(0.15)
+                if rank == 1 and step == 5:
+                    os.kill(os.getpid(), signal.SIGTERM)
+                time.sleep(0.15)
+                if watch.agree().stop:
+                    return {"stopped_after": step}
+            watch.finish()
+            return {"stopped_after": None}
+        finally:
+            watch.close()
+
+
+@pytest.mark.usefixtures("two_rank_env")
+def test_with_long_steps_ranks_stop_after_the_step_the_signal_arrived_in(tmp_path):
+    assert PROMPT_STEP_S < 0.3
+    records = run_ranks(_long_step_stop, tmp_path)
+    # Steps 1 and 2 show the steps are long (agreed after step 3); from then on each boundary reads its own
+    # agreement, so the signal of step 5 stops every rank after step 5, not after step 6.
+    assert [record["stopped_after"] for record in records] == [5, 5]
 
 
 def _save_steps(rank: int, out_dir: Path) -> dict:
