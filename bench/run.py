@@ -29,7 +29,7 @@ from bench.tables import markdown_table  # noqa: E402
 ROOT = Path(__file__).resolve().parents[1]
 ERROR_CHARS = 400  # of a failed benchmark's error line in latest.md (latest.json has all of it)
 BENCHMARKS = ("loader", "checkpoint", "sharded", "object_store", "step", "startup", "end_to_end",
-              "preemption", "validation", "staging")
+              "preemption", "validation", "staging", "streaming")
 # The issue's targets, for benchmarks whose JSON states none: (benchmark, ratio) -> target, and (benchmark,
 # None) -> the target of every ratio of that benchmark.
 TARGETS = {("checkpoint", "async_blocking_over_copy"): "<= 0.1", ("step", None): "<= 1.05",
@@ -45,6 +45,8 @@ TINY_ARGS = {  # seconds-long sizes for a smoke run; scripts without such option
     "preemption": ["--steps", "20", "--rounds", "1"],
     "validation": ["--steps", "8", "--eval-every", "4", "--repeats", "1"],
     "staging": ["--samples", "600", "--size", "8", "--partitions", "1", "2", "--repeats", "1"],
+    "streaming": ["--samples", "3000", "--small-samples", "300", "--size", "16", "--batches", "10",
+                  "--cache-mb", "1"],
 }
 
 
@@ -158,6 +160,8 @@ def main(argv: list[str] | None = None) -> None:
         extra = TINY_ARGS.get(name, []) if args.tiny else []
         if name in ("loader", "end_to_end", "sharded"):
             extra = [*extra, "--dir", str(scratch)]
+        if name == "streaming":  # its datasets are kept apart from the others', tiny ones too
+            extra = [*extra, "--dir", str(scratch / ("streaming-tiny" if args.tiny else "streaming"))]
         print(f"== {name}", flush=True)
         results.append(run_benchmark(name, ROOT / "bench" / f"{name}.py", extra, scratch))
     machine = machine_info()

@@ -58,8 +58,12 @@ def scratch_directory(prefix: str, given: Path | None) -> Path:
     return Path(tempfile.mkdtemp(prefix=prefix, dir=parent))
 
 
-def write_results(path: str | None, benchmark: str, rows: list[dict], ratios: dict[str, float]) -> None:
-    """The JSON bench/run.py collects (``{"benchmark", "results", "ratios"}``), when ``path`` is given."""
+def write_results(path: str | None, benchmark: str, rows: list[dict], ratios: dict[str, float],
+                  targets: dict[str, str] | None = None) -> None:
+    """The JSON bench/run.py collects (``{"benchmark", "results", "ratios"}``, and the ratios' ``targets``
+    when given), when ``path`` is given."""
     if path:
-        Path(path).write_text(json.dumps({"benchmark": benchmark, "results": rows, "ratios": ratios},
-                                         indent=2) + "\n")
+        result = {"benchmark": benchmark, "results": rows, "ratios": ratios}
+        if targets:
+            result["targets"] = targets
+        Path(path).write_text(json.dumps(result, indent=2) + "\n")

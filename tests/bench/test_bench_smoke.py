@@ -55,8 +55,8 @@ def run_tiny(tmp_path: Path, *names: str) -> dict:
     return {**json.loads((results / "latest.json").read_text()), "table": (results / "latest.md").read_text()}
 
 
-def test_runner_writes_loader_validation_and_staging_tables(tmp_path):
-    report = run_tiny(tmp_path, "loader", "validation", "staging")
+def test_runner_writes_loader_validation_staging_and_streaming_tables(tmp_path):
+    report = run_tiny(tmp_path, "loader", "validation", "staging", "streaming")
     assert {"cpu", "cores", "ram_gib", "torch", "cuda_device", "git", "date"} <= set(report["machine"])
     by_name = {b["benchmark"]: b for b in report["benchmarks"]}
     assert "error" not in by_name["loader"], by_name
@@ -73,7 +73,15 @@ def test_runner_writes_loader_validation_and_staging_tables(tmp_path):
     assert "error" not in staging, staging
     assert [row["partitions"] for row in staging["results"]] == [1, 2]
     assert staging["ratios"]["1 over 2 partitions (speed-up)"] > 0
-    assert all(f"### {name}" in report["table"] for name in ("loader", "validation", "staging"))
+    # Streamed from bench/slow_store.py (a local directory served as S3, with latency): both loaders read
+    # batches, two streamed runs reached a first step, and the cache stayed within its limit.
+    streaming = by_name["streaming"]
+    assert "error" not in streaming, streaming
+    rates = {row["case"]: row.get("samples_per_s") or row.get("seconds") for row in streaming["results"]}
+    assert len(rates) == 7 and all(value > 0 for value in rates.values()), rates
+    assert 0 < streaming["ratios"]["cache peak disk over its limit"] <= 1.0
+    assert streaming["ratios"]["time to first step, large over small"] > 0
+    assert all(f"### {name}" in report["table"] for name in ("loader", "validation", "staging", "streaming"))
 
 
 @pytest.mark.long  # three whole runs (a plain loop, torchrun, the pyflyte workflow): 75-100 s in the suite

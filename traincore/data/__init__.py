@@ -11,6 +11,7 @@
     progress     staging's progress lines (items, bytes, rate) for every source
     manifest     the staged format: manifest.json, its records, and the integrity checks every reader runs
     stream       a staged dataset in an object store, read sample by sample into a bounded node-local cache
+    ranges       the stream's ranged reads: presigned URLs over plain HTTP on S3, the store's own elsewhere
     loader       memory-mapped reader and the resumable, world-size-independent training loader
     augment      augmentation on the device (random resized crop, flip), seeded by each batch's place
     autotune     an opt-in probe that picks num_workers and prefetch_factor for this machine

@@ -114,11 +114,17 @@ class Normalizer:
         return images.to(torch.float32).mul_(self.scale).add_(self.shift)
 
 
-def global_order(num_samples: int, seed: int, epoch: int, shuffle: bool) -> np.ndarray:
-    """The epoch's global sample order, identical on every rank and every world size."""
+def global_order(num_samples: int, seed: int, epoch: int, shuffle: bool, block: int = 1) -> np.ndarray:
+    """The epoch's global sample order, identical on every rank and every world size: a permutation of
+    the samples, or with ``block`` > 1 of runs of ``block`` consecutive samples (the last one shorter)."""
     if not shuffle:
         return np.arange(num_samples, dtype=np.int64)
-    return np.random.default_rng([seed, epoch]).permutation(num_samples)
+    rng = np.random.default_rng([seed, epoch])
+    if block == 1:
+        return rng.permutation(num_samples)
+    starts = rng.permutation(-(-num_samples // block)) * block
+    order = (starts[:, None] + np.arange(block)).ravel()
+    return order[order < num_samples]
 
 
 def rank_batches(order: np.ndarray, start: int, batch_size: int, rank: int, world_size: int,
@@ -205,7 +211,7 @@ class StagedLoader:
 
     def index_batches(self) -> Iterator[np.ndarray]:
         """This rank's index batches from the current position to the end of the epoch."""
-        order = global_order(len(self.split), self.seed, self.epoch, self.cfg.shuffle)
+        order = global_order(len(self.split), self.seed, self.epoch, self.cfg.shuffle, self.cfg.block_samples)
         return rank_batches(order, self.consumed, self.cfg.batch_size, self.rank, self.world_size,
                             self.cfg.drop_last)
 

@@ -26,6 +26,7 @@ import sys
 import uuid
 from collections.abc import Callable
 from concurrent.futures import ProcessPoolExecutor
+from concurrent.futures.process import BrokenProcessPool
 from pathlib import Path
 from typing import BinaryIO
 
@@ -230,7 +231,15 @@ def _write_partitions(tmp: Path, cfg: DataConfig, source: Source, fingerprint: s
                                                           f"partition {index + 1}/{partitions}"),
                                storage_options=storage_options)
                    for index in range(partitions)]
-        records = [future.result() for future in futures]
+        try:
+            records = [future.result() for future in futures]
+        except BrokenProcessPool as exc:
+            raise StagingError(
+                f"a process staging one of the {partitions} partitions died without an error (killed, out of "
+                "memory, or it could not start: a script that calls stage() with partitions > 1 must do so "
+                "under `if __name__ == \"__main__\":`, since the partitions run in spawned processes); "
+                "nothing was published: stage with partitions=1 to see the failure in this process, or give "
+                "it more memory") from exc
     return merge_records(cfg, records, source.name_classes)
 
 

@@ -4,9 +4,9 @@ a few batches ahead of training, into a node-local cache of bounded size.
 The order is the loader's (data.loader): one global permutation per epoch, the same on every world size,
 so a streamed run resumes and reshards exactly as a run from local disk does and trains on the same
 batches. Samples are fixed-size uint8 records, so a batch is a set of byte ranges: its samples are sorted
-by place, neighbours merge into one ranged GET, and all of a batch's ranges go out together (the store's
-``read_ranges``: concurrent requests on fsspec's event loop). ``window`` batches are in flight while one
-trains, which hides the store's per-request latency.
+by place, neighbours merge into one ranged GET, and all of a batch's ranges go out together
+(data.ranges: concurrent requests on fsspec's event loop, presigned plain HTTP on S3). ``window`` batches
+are in flight while one trains, which hides the store's per-request latency.
 
 The cache is one file of ``cache_bytes // sample_bytes`` sample slots, unlinked as soon as it is opened:
 its disk use can never exceed the limit, and it is freed when the process ends, even by SIGKILL. A sample
@@ -45,6 +45,7 @@ import torch
 from traincore.checkpoint import STORE_ACCESS_FIX, Store, error_reason
 from traincore.config import LoaderConfig
 from traincore.data.manifest import MANIFEST, RESTAGE, SPLITS, Manifest, ShardInfo, StagingError, check_labels
+from traincore.data.ranges import RangeReader
 
 log = logging.getLogger(__name__)
 
@@ -198,6 +199,7 @@ class StreamedSplit:
         self._offsets = np.cumsum([0] + [s.count for s in self.shards])
         self._key = SPLITS.index(split) << 40  # the splits share the cache: their samples' keys stay apart
         self._pool = ThreadPoolExecutor(max_workers=window, thread_name_prefix="stream")
+        self._reader = RangeReader(store)
 
     def __len__(self) -> int:
         return int(self._offsets[-1])
@@ -272,7 +274,7 @@ class StreamedSplit:
         its digest; on failure they leave the cache (their slots hold nothing valid)."""
         try:
             runs = self._runs(indices[missing])
-            blobs = self.store.read_ranges([(shard.images, start * self.manifest.sample_bytes,
+            blobs = self._reader.read([(shard.images, start * self.manifest.sample_bytes,
                                              len(run) * self.manifest.sample_bytes)
                                             for shard, start, run in runs])
             where = dict(zip(indices.tolist(), slots.tolist(), strict=True))
@@ -315,6 +317,7 @@ class StreamedSplit:
     def close(self) -> None:
         """Stop the fetch threads and free the cache's disk (shared: the other splits stop reading too)."""
         self._pool.shutdown(wait=True, cancel_futures=True)
+        self._reader.close()
         self.cache.close()
 
 

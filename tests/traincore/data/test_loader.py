@@ -148,17 +148,33 @@ def test_mid_epoch_state_continues_with_identical_batches(train, workers):
         assert torch.equal(images, want_images) and torch.equal(labels, want_labels)
 
 
-@pytest.mark.parametrize("new_world", [3, 1])
-def test_resume_on_another_world_size_sees_the_rest_once(train, new_world):
+@pytest.mark.parametrize("block", [4, 7])
+def test_a_block_order_permutes_runs_of_neighbours_and_blocks_of_one_are_the_sample_order(block):
+    order = global_order(50, 2, 1, shuffle=True, block=block)
+    assert sorted(order.tolist()) == list(range(50)) and order.tolist() != list(range(50))
+    position = 0
+    while position < 50:  # runs of `block` neighbours from a multiple of it (the last run shorter)
+        start = int(order[position])
+        length = min(block, 50 - start)
+        run = order[position:position + length].tolist()
+        assert start % block == 0 and run == list(range(start, start + length))
+        position += length
+    np.testing.assert_array_equal(global_order(50, 2, 1, shuffle=True, block=1),
+                                  np.random.default_rng([2, 1]).permutation(50))
+
+
+@pytest.mark.parametrize(("new_world", "block"), [(3, 1), (1, 1), (3, 4)])
+def test_resume_on_another_world_size_sees_the_rest_once(train, new_world, block):
     lookup = index_of(train)
-    old = [StagedLoader(train, CFG, rank=r, world_size=2, seed=5) for r in range(2)]
+    cfg = dataclasses.replace(CFG, block_samples=block)
+    old = [StagedLoader(train, cfg, rank=r, world_size=2, seed=5) for r in range(2)]
     streams = [o.host_batches() for o in old]
     before = [flat(delivered(take(stream, 2), lookup)) for stream in streams]
     assert old[0].state_dict() == old[1].state_dict()
 
     after = []
     for rank in range(new_world):
-        loader = StagedLoader(train, CFG, rank=rank, world_size=new_world)
+        loader = StagedLoader(train, cfg, rank=rank, world_size=new_world)
         loader.load_state_dict(old[0].state_dict())
         after += flat(delivered(loader.host_batches(), lookup))
     seen = before[0] + before[1]

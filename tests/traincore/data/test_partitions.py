@@ -96,6 +96,18 @@ UNNAMED = '''
         data.__class__ = type("Stray", (Unnamed,), {"__getitem__": lambda self, i: (
             np.zeros((6, 6), dtype=np.uint8), 100000 if i == 77 else i % 2)})
         return data
+
+
+    def dies():
+        """Item 77 ends the process that reads it, without an error, when that is a partition's process."""
+        import multiprocessing
+        import os
+
+        data = Unnamed()
+        read = data.__getitem__
+        data.__class__ = type("Dies", (Unnamed,), {"__getitem__": lambda self, i: (
+            os._exit(3) if i == 77 and multiprocessing.parent_process() is not None else read(i))})
+        return data
 '''
 
 
@@ -117,6 +129,15 @@ def test_a_stray_label_in_any_partition_is_refused_and_nothing_is_published(unna
     cfg = DataConfig(source="python:unnamed:stray", image_size=6, channels=1, samples_per_shard=8,
                      decode_workers=1)
     with pytest.raises(StagingError, match="item 77 has the label 100000"):
+        stage(cfg, tmp_path / "out" / "data", partitions=3)
+    assert list((tmp_path / "out").iterdir()) == []
+
+
+def test_a_partition_process_that_dies_is_named_and_nothing_is_published(unnamed, tmp_path):
+    cfg = DataConfig(source="python:unnamed:dies", image_size=6, channels=1, samples_per_shard=8,
+                     decode_workers=1)
+    with pytest.raises(StagingError, match="died without an error .* nothing was published: stage with "
+                                           "partitions=1 to see the failure"):
         stage(cfg, tmp_path / "out" / "data", partitions=3)
     assert list((tmp_path / "out").iterdir()) == []
 

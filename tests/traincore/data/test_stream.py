@@ -3,6 +3,7 @@ in a cache that never outgrows its limit, and corruption or loss in the store na
 
 from __future__ import annotations
 
+import dataclasses
 import shutil
 import uuid
 from pathlib import Path
@@ -47,13 +48,15 @@ def streamed(remote: Store, tmp_path: Path, cache_bytes: int = 1 << 20) -> Strea
     return split
 
 
-def test_streamed_batches_are_the_local_ones_across_epochs_and_a_resume_on_another_world_size(staged, remote,
-                                                                                              tmp_path):
+@pytest.mark.parametrize("block", [1, 4])
+def test_streamed_batches_are_the_local_ones_across_epochs_and_a_resume_on_another_world_size(
+        staged, remote, tmp_path, block):
     local, stream = StagedSplit(staged, "train"), streamed(remote, tmp_path)
+    loader_cfg = dataclasses.replace(LOADER, block_samples=block)
     assert len(stream) == len(local) and np.array_equal(stream.labels, local.labels)
-    steps = StagedLoader(local, LOADER, rank=1, world_size=2).steps_per_epoch
-    on_disk = [StagedLoader(local, LOADER, rank=r, world_size=2) for r in range(2)]
-    from_store = [StagedLoader(stream, LOADER, rank=r, world_size=2) for r in range(2)]
+    steps = StagedLoader(local, loader_cfg, rank=1, world_size=2).steps_per_epoch
+    on_disk = [StagedLoader(local, loader_cfg, rank=r, world_size=2) for r in range(2)]
+    from_store = [StagedLoader(stream, loader_cfg, rank=r, world_size=2) for r in range(2)]
     for disk, store in zip(on_disk, from_store, strict=True):  # an epoch and a half
         for count in (steps, steps // 2):
             for (x, y), (sx, sy) in zip(batches(disk, count), batches(store, count), strict=True):
@@ -62,12 +65,27 @@ def test_streamed_batches_are_the_local_ones_across_epochs_and_a_resume_on_anoth
     assert state == on_disk[0].state_dict() and state["epoch"] == 1
     # Resumed on three ranks: the rest of the epoch, the same samples from the store as from disk.
     for rank in range(3):
-        disk, store = (StagedLoader(split, LOADER, rank=rank, world_size=3) for split in (local, stream))
+        disk, store = (StagedLoader(split, loader_cfg, rank=rank, world_size=3) for split in (local, stream))
         disk.load_state_dict(state)
         store.load_state_dict(state)
         for (x, y), (sx, sy) in zip(disk.host_batches(), store.host_batches(), strict=True):
             assert torch.equal(x, sx) and torch.equal(y, sy)
     stream.close()
+
+
+def test_a_block_order_streams_each_run_of_neighbours_in_one_request(remote, tmp_path):
+    requests = {}
+    for block in (1, 4):
+        stream = streamed(remote, tmp_path / f"block-{block}")
+        read, requests[block] = stream._reader.read, []
+        # an instance attribute of our own reader: counts the ranged GETs of each fetch
+        stream._reader.read = lambda ranges, read=read, sent=requests[block]: (sent.append(len(ranges))
+                                                                               or read(ranges))
+        loader = StagedLoader(stream, dataclasses.replace(LOADER, block_samples=block))
+        assert sum(len(labels) for _, labels in loader.host_batches()) == len(stream) // 8 * 8
+        stream.close()
+    # Per sample, a random order rarely has neighbours in a batch; runs of 4 come as 2 or 3 GETs a batch of 8.
+    assert sum(requests[4]) <= 0.45 * sum(requests[1]), requests
 
 
 def test_the_cache_stays_within_its_limit_with_a_dataset_ten_times_larger(remote, tmp_path):
