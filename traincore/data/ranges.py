@@ -68,7 +68,7 @@ class RangeReader:
                 self._urls, self._signed_at = {}, time.monotonic()
             for name in names or []:
                 if name not in self._urls:
-                    self._urls[name] = self.store.fs.url(self.store._key(name), expires=PRESIGN_S)
+                    self._urls[name] = self.store.fs.url(self.store.uri_of(name), expires=PRESIGN_S)
             return dict(self._urls)
 
     def close(self) -> None:
