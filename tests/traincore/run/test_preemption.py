@@ -3,6 +3,7 @@ grace timer are the run's only."""
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import signal
@@ -164,14 +165,17 @@ def test_a_grace_the_launchers_sigkill_cuts_short_is_named_with_the_limit_and_th
     assert [record.getMessage() for record in caplog.records] == [default]
 
 
-def _stop_step(rank: int, out_dir: Path) -> dict:
-    """Steps 1..20; only rank 1 is signalled, after its step 3. The step after which each rank stops."""
+def _stop_step(rank: int, out_dir: Path, signal_step: int = 3, step_s: float = 0.0) -> dict:
+    """Steps 1..20 of ``step_s`` each; only rank 1 is signalled, in the middle of its step ``signal_step``.
+    The step after which each rank stops."""
     with distributed(CFG):
         watch = PreemptionWatch(grace_s=20.0, world_size=2)
         try:
             for step in range(1, 21):
-                if rank == 1 and step == 3:
+                time.sleep(step_s / 2)
+                if rank == 1 and step == signal_step:
                     os.kill(os.getpid(), signal.SIGTERM)
+                time.sleep(step_s / 2)
                 if watch.agree().stop:
                     return {"stopped_after": step, "signal": watch.signal_name}
             watch.finish()
@@ -188,28 +192,10 @@ def test_ranks_signalled_at_different_steps_stop_after_the_same_one(tmp_path):
     assert [record["signal"] for record in records] == [None, "SIGTERM"]
 
 
-def _long_step_stop(rank: int, out_dir: Path) -> dict:
-    """Steps 1..10 of 0.3 s each (over PROMPT_STEP_S); rank 1 is signalled in the middle of step 5."""
-    with distributed(CFG):
-        watch = PreemptionWatch(grace_s=20.0, world_size=2)
-        try:
-            for step in range(1, 11):
-                time.sleep(0.15)
-                if rank == 1 and step == 5:
-                    os.kill(os.getpid(), signal.SIGTERM)
-                time.sleep(0.15)
-                if watch.agree().stop:
-                    return {"stopped_after": step}
-            watch.finish()
-            return {"stopped_after": None}
-        finally:
-            watch.close()
-
-
 @pytest.mark.usefixtures("two_rank_env")
 def test_with_long_steps_ranks_stop_after_the_step_the_signal_arrived_in(tmp_path):
     assert PROMPT_STEP_S < 0.3
-    records = run_ranks(_long_step_stop, tmp_path)
+    records = run_ranks(functools.partial(_stop_step, signal_step=5, step_s=0.3), tmp_path)
     # Steps 1 and 2 show the steps are long (agreed after step 3); from then on each boundary reads its own
     # agreement, so the signal of step 5 stops every rank after step 5, not after step 6.
     assert [record["stopped_after"] for record in records] == [5, 5]
