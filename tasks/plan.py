@@ -26,7 +26,7 @@ from tasks.storage import is_uri, local_path, source_storage_options
 from tasks.types import NodeResources, SlurmSettings, Topology
 from traincore.config import PRESETS, Config, ConfigError, DataConfig, build_config, parse_source
 from traincore.data import StagingError, check_partitions, source_fingerprint
-from traincore.run import OutputError, check_model_input, ensure_writable_dir
+from traincore.run import OutputError, check_model_input, check_param_groups, ensure_writable_dir
 
 
 class LaunchInputError(UserFacingError):
@@ -174,12 +174,14 @@ def check_store_secret(topology: Topology, checkpoint_uri: str) -> None:
 
 def check_model(cfg: Config) -> None:
     """The model must take the images staging will produce (data.channels x data.image_size squared) in
-    batches of loader.batch_size: vit_b_16 on 12 px data fails here, not after staging."""
+    batches of loader.batch_size: vit_b_16 on 12 px data fails here, not after staging; and each of
+    optim.param_groups' patterns must name some of its parameters (a typo would leave a layer unfrozen)."""
     data = cfg.data
     shape = (data.channels, data.image_size, data.image_size)
     try:
-        check_model_input(cfg.model, 2, shape, f"data.image_size={data.image_size}, data.channels="
-                          f"{data.channels}", cfg.loader.batch_size)
+        model = check_model_input(cfg.model, 2, shape, f"data.image_size={data.image_size}, data.channels="
+                                  f"{data.channels}", cfg.loader.batch_size)
+        check_param_groups(model, cfg.optim.param_groups)
     except ValueError as exc:
         raise LaunchInputError(f"input config_overrides (or preset): {exc}") from exc
 

@@ -132,6 +132,9 @@ def test_plan_task_runs_locally_and_rejects_multi_node():
      r"input config_overrides: checkpoint.mode='async' with dist.backend='nccl'"),
     ('{"train": {"epochs": "4"}}', r"input config_overrides: train.epochs='4' is invalid: expected an "
      "integer"),
+    ('{"optim": {"param_groups": [{"pattern": "backbone.*", "freeze": true}]}}',
+     r"input config_overrides \(or preset\): optim.param_groups\[0\] pattern 'backbone.\*' matches no "
+     r"parameter of the model"),
 ])
 def test_config_that_cannot_run_is_refused_in_the_plan(overrides, message):
     with pytest.raises(LaunchInputError, match=message):

@@ -91,6 +91,8 @@ def test_a_search_spends_half_the_steps_resumes_its_promoted_trials_and_exports_
                    "least 32"),
     ({"max_steps": 0}, "a search needs the length of its last rung in steps: give the input max_steps"),
     ({"metric": "accuracy"}, "input metric='accuracy' is not one of val_accuracy, val_loss"),
+    ({"config_overrides": '{"optim": {"param_groups": [{"pattern": "backbone.*", "freeze": true}]}}'},
+     "optim.param_groups[0] pattern 'backbone.*' matches no parameter of the model"),
 ])
 def test_bad_search_inputs_fail_before_anything_stages_or_trains(tmp_path, monkeypatch, change, message):
     def staging_started(*args, **kwargs):

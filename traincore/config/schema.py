@@ -471,13 +471,21 @@ class TrainConfig:
     """Batches (loader.batch_size per rank each) whose gradients add up to one optimizer step: the step
     sees grad_accum_steps x the global batch, with one batch's activation memory. A step larger than the
     training split is refused."""
+    global_batch: int = 0
+    """Samples per optimizer step over all ranks, kept whatever the world size: each rank accumulates
+    global_batch / (loader.batch_size x world size) batches per step, so a run whose nodes come and go (a
+    node range, docs/reliability.md) trains on the same steps. It must be a whole number of batches at every
+    world size the run may take (one at each, at the most); needs loader.drop_last and grad_accum_steps 1.
+    0 = loader.batch_size x world size x grad_accum_steps, at whatever world size the run has."""
 
     def __post_init__(self) -> None:
         _check_types(self, "train")
         _check(0 <= self.label_smoothing < 1, "train.label_smoothing", self.label_smoothing,
                "must be in [0, 1)")
         _ints(self, "train", max_steps=0, epochs=0, seed=0, eval_every=0, gc_every=1, grad_accum_steps=1,
-              stop_after=0, overfit=0)
+              stop_after=0, overfit=0, global_batch=0)
+        _check(not self.global_batch or self.grad_accum_steps == 1, "train.grad_accum_steps",
+               self.grad_accum_steps, "must be 1 with train.global_batch set (it decides the accumulation)")
         _at_most(self, "train", seed=MAX_SEED)
         _one_of("train.metric", self.metric, VALIDATION_METRICS)
         self._check_early_stopping()
@@ -662,6 +670,10 @@ class Config:
                 "checkpoint.mode='async' with dist.backend='nccl' is invalid: async checkpoints commit in "
                 "the background over a CPU (gloo) backend, which 'nccl' alone lacks; set dist.backend to "
                 "'auto' or 'cpu:gloo,cuda:nccl', or checkpoint.mode to 'sync' or 'dcp'")
+        if self.train.global_batch and not self.loader.drop_last:
+            raise ConfigError(
+                "train.global_batch with loader.drop_last=false is invalid: an epoch's last, partial step "
+                "would be cut into batches differently at each world size; set loader.drop_last true")
 
     def to_dict(self) -> dict[str, dict[str, Any]]:
         """Plain nested dicts (what a checkpoint and the telemetry record); ``with_overrides`` reads them."""

@@ -19,7 +19,15 @@
 
 from traincore.data.autotune import autotune
 from traincore.data.fingerprint import source_fingerprint
-from traincore.data.loader import Normalizer, StagedLoader, StagedSplit, epoch_batches, eval_batches
+from traincore.data.loader import (
+    DIGEST_MODULUS,
+    Normalizer,
+    StagedLoader,
+    StagedSplit,
+    epoch_batches,
+    eval_batches,
+    sample_digest,
+)
 from traincore.data.manifest import FORMAT_VERSION, MANIFEST, Manifest, StagingError, verify_staging
 from traincore.data.partitions import PartitionRecord, check_partitions, choose_partitions, staging_key
 from traincore.data.staging import (
@@ -45,9 +53,9 @@ from traincore.data.stream import (
 
 __all__ = [
     "autotune", "Batch", "DEFAULT_CACHE_BYTES", "NODE_CACHE_ENV", "cache_limit", "check_partitions",
-    "choose_partitions", "dataset_manifest", "directory_bytes", "estimated_bytes", "epoch_batches",
-    "eval_batches", "FORMAT_VERSION", "MANIFEST", "Manifest", "merge_partitions", "Normalizer",
-    "open_source", "open_streamed", "PartitionRecord", "source_fingerprint", "stage", "stage_partition",
-    "StagedLoader", "StagedSplit", "staging_key", "StagingError", "StreamedSplit", "StreamError",
-    "summary", "verify_staging", "verify_streamed",
+    "DIGEST_MODULUS", "choose_partitions", "dataset_manifest", "directory_bytes", "estimated_bytes",
+    "epoch_batches", "eval_batches", "FORMAT_VERSION", "MANIFEST", "Manifest", "merge_partitions",
+    "Normalizer", "open_source", "open_streamed", "PartitionRecord", "sample_digest", "source_fingerprint",
+    "stage", "stage_partition", "StagedLoader", "StagedSplit", "staging_key", "StagingError",
+    "StreamedSplit", "StreamError", "summary", "verify_staging", "verify_streamed",
 ]

@@ -5,8 +5,10 @@ next ``batch_size * world_size`` positions of it and gives rank ``r`` the ``r``-
 The loader's whole state is therefore (seed, epoch, samples consumed globally): it does not depend on the
 world size, so a run saved on 2 ranks resumes on 1 or 3 and still sees every remaining sample exactly once.
 
-End of epoch: with ``drop_last`` (the default) the final partial global batch is skipped for that epoch
-(it is a different set of samples each epoch). Without it, the final partial global batch is padded to a
+End of epoch: with ``drop_last`` (the default) the final partial optimizer step is skipped for that epoch
+(it is a different set of samples each epoch): with ``accum`` batches accumulated per step, an epoch ends at
+its last whole step, so a step's samples are the same whichever world size splits them into batches.
+Without it, the final partial global batch is padded to a
 multiple of the world size with samples from the start of the permutation (at most world_size - 1
 repeats, as DistributedSampler does) and split evenly, so every rank takes the same number of steps.
 
@@ -16,6 +18,7 @@ normalised float32 on the training device. On CUDA a side-stream prefetcher over
 
 from __future__ import annotations
 
+import collections
 import copy
 import itertools
 import logging
@@ -128,17 +131,35 @@ def global_order(num_samples: int, seed: int, epoch: int, shuffle: bool, block: 
 
 
 def rank_batches(order: np.ndarray, start: int, batch_size: int, rank: int, world_size: int,
-                 drop_last: bool) -> Iterator[np.ndarray]:
-    """This rank's index blocks from global position ``start`` to the end of the epoch."""
+                 drop_last: bool, accum: int = 1) -> Iterator[np.ndarray]:
+    """This rank's index blocks from global position ``start`` to the end of the epoch (with ``drop_last``,
+    of its last whole step of ``accum`` global batches)."""
     total, step = len(order), batch_size * world_size
-    for pos in range(start, total, step):
+    end = total - total % (step * accum) if drop_last else total
+    for pos in range(start, end, step):
         if pos + step <= total:
             yield order[pos + rank * batch_size: pos + (rank + 1) * batch_size]
-        elif not drop_last:
+        else:
             tail = order[pos:]
             padded = np.concatenate([tail, order[: -len(tail) % world_size]])
             share = len(padded) // world_size
             yield padded[rank * share:(rank + 1) * share]
+
+
+_MIX = (np.uint64(0x9E3779B97F4A7C15), np.uint64(0xBF58476D1CE4E5B9), np.uint64(0x94D049BB133111EB))
+DIGEST_MODULUS = 2**62
+"""Digests add up modulo this: an int64 all-reduce sums them exactly."""
+
+
+def sample_digest(indices: np.ndarray) -> int:
+    """An order-free digest of sample indices: the sum of a 40-bit hash (splitmix64's mix) of each. The
+    digests of any split of a set of samples add up to the set's, so ranks' and steps' digests can be
+    summed; a sample missing or taken twice changes the sum."""
+    x = indices.astype(np.uint64) + _MIX[0]
+    x = (x ^ (x >> np.uint64(30))) * _MIX[1]
+    x = (x ^ (x >> np.uint64(27))) * _MIX[2]
+    x ^= x >> np.uint64(31)
+    return int((x >> np.uint64(24)).sum()) % DIGEST_MODULUS
 
 
 def epoch_batches(num_samples: int, global_batch: int, drop_last: bool) -> int:
@@ -164,6 +185,15 @@ class _EpochSampler:
         return self._loader().steps_per_epoch
 
 
+def _remembered(blocks: Iterator[np.ndarray], handed: collections.deque) -> Iterator[np.ndarray]:
+    """``blocks``, each appended to ``handed`` as it goes to the reader: its batch comes back in the same
+    order (DataLoader keeps it), and the loader digests the samples it holds. A function, not a method: a
+    generator holding the loader would tie it to its DataLoader's sampler in a cycle (see _EpochSampler)."""
+    for block in blocks:
+        handed.append(block)
+        yield block
+
+
 def _as_batch(batch: Batch) -> Batch:
     return batch
 
@@ -176,13 +206,15 @@ class StagedLoader:
     """
 
     def __init__(self, split: StagedSplit | StreamedSplit, cfg: LoaderConfig, *, rank: int = 0,
-                 world_size: int = 1, seed: int = 0, device: torch.device | str = "cpu"):
+                 world_size: int = 1, seed: int = 0, device: torch.device | str = "cpu", accum: int = 1):
         if not 0 <= rank < world_size:
             raise ValueError(f"rank {rank} is outside world size {world_size}")
         self.split, self.cfg = split, cfg
-        self.rank, self.world_size, self.seed = rank, world_size, seed
+        self.rank, self.world_size, self.seed, self.accum = rank, world_size, seed, accum
         self.device = torch.device(device)
         self.epoch, self.consumed = 0, 0
+        self.digest = 0  # of the samples this rank has received since take_digest() (sample_digest)
+        self._handed: collections.deque[np.ndarray] = collections.deque()  # blocks given to the reader
         self.normalize = Normalizer(split.mean, split.std, self.device)
         self.augment = Augmenter(cfg) if cfg.random_resized_crop or cfg.horizontal_flip else None
         global_batch = cfg.batch_size * world_size
@@ -201,7 +233,10 @@ class StagedLoader:
 
     @property
     def steps_per_epoch(self) -> int:
-        return epoch_batches(len(self.split), self.global_batch_size, self.cfg.drop_last)
+        """Batches per rank in one epoch (``accum`` of them to an optimizer step)."""
+        if self.cfg.drop_last:
+            return len(self.split) // (self.global_batch_size * self.accum) * self.accum
+        return epoch_batches(len(self.split), self.global_batch_size, drop_last=False)
 
     def _make_dataloader(self) -> torch.utils.data.DataLoader:
         return torch.utils.data.DataLoader(
@@ -212,8 +247,9 @@ class StagedLoader:
     def index_batches(self) -> Iterator[np.ndarray]:
         """This rank's index batches from the current position to the end of the epoch."""
         order = global_order(len(self.split), self.seed, self.epoch, self.cfg.shuffle, self.cfg.block_samples)
-        return rank_batches(order, self.consumed, self.cfg.batch_size, self.rank, self.world_size,
-                            self.cfg.drop_last)
+        blocks = rank_batches(order, self.consumed, self.cfg.batch_size, self.rank, self.world_size,
+                              self.cfg.drop_last, self.accum)
+        return _remembered(blocks, self._handed)
 
     def host_batches(self) -> Iterator[Batch]:
         """uint8 batches on the host for the rest of the epoch, advancing the position as each is taken."""
@@ -222,9 +258,11 @@ class StagedLoader:
     def _keyed_batches(self) -> Iterator[tuple[torch.Tensor, torch.Tensor, tuple[int, ...]]]:
         """:meth:`host_batches` with each batch's place in the run, (seed, rank, epoch, position): what
         seeds its augmentation."""
+        self._handed.clear()  # blocks read ahead for an iteration that was left
         source = (iter(self._dataloader) if self._dataloader is not None else
                   self.split.stream(self.index_batches(), self._pin))
         for images, labels in source:
+            self.digest = (self.digest + sample_digest(self._handed.popleft())) % DIGEST_MODULUS
             key = (self.seed, self.rank, self.epoch, self.consumed)
             self.consumed = min(self.consumed + self.global_batch_size, len(self.split))
             yield images, labels, key
@@ -244,6 +282,11 @@ class StagedLoader:
 
     def __len__(self) -> int:
         return self.steps_per_epoch
+
+    def take_digest(self) -> int:
+        """The digest of the samples this rank received since the last call (:func:`sample_digest`)."""
+        digest, self.digest = self.digest, 0
+        return digest
 
     def state_dict(self) -> dict[str, int]:
         return {"seed": self.seed, "epoch": self.epoch, "consumed": self.consumed,

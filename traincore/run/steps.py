@@ -27,34 +27,56 @@ class NonFiniteLossError(ValueError):
     as the project's other errors of bad input are: the CLI reports it as one ``error:`` line."""
 
 
-def total_steps(cfg: Config, steps_per_epoch: int) -> int:
+def accumulation(cfg: Config, world_size: int) -> int:
+    """Batches each rank accumulates per optimizer step at ``world_size``: ``train.grad_accum_steps``, or
+    with ``train.global_batch`` set, as many as keep that global batch. ConfigError when the global batch is
+    not a whole number of batches of loader.batch_size on every rank."""
+    if not cfg.train.global_batch:
+        return cfg.train.grad_accum_steps
+    per_pass = cfg.loader.batch_size * world_size
+    count, rest = divmod(cfg.train.global_batch, per_pass)
+    if rest or not count:
+        raise ConfigError(
+            f"train.global_batch={cfg.train.global_batch} is not a whole number of batches of "
+            f"loader.batch_size={cfg.loader.batch_size} x {world_size} process(es) = {per_pass}: set "
+            f"train.global_batch to a multiple of {per_pass} (for a node range, of loader.batch_size x the "
+            "processes at every node count it allows), or change loader.batch_size")
+    return count
+
+
+def total_steps(cfg: Config, steps_per_epoch: int, accum: int | None = None) -> int:
     """Optimizer steps to train: ``train.max_steps``, else as many as ``train.epochs`` passes of
-    ``steps_per_epoch`` batches fill, ``train.grad_accum_steps`` batches to a step. ConfigError when one
-    step would take more batches than an epoch has (see :func:`check_step_fits_epoch`)."""
-    accum = cfg.train.grad_accum_steps
+    ``steps_per_epoch`` batches fill, ``accum`` batches (default ``train.grad_accum_steps``) to a step.
+    ConfigError when one step would take more batches than an epoch has (:func:`check_step_fits_epoch`)."""
+    accum = accum or cfg.train.grad_accum_steps
     if accum > steps_per_epoch:
-        raise _step_exceeds_epoch(steps_per_epoch, f"train.grad_accum_steps={accum} batches per optimizer "
+        what = (f"train.global_batch={cfg.train.global_batch}: {accum}" if cfg.train.global_batch
+                else f"train.grad_accum_steps={accum}")
+        raise _step_exceeds_epoch(steps_per_epoch, f"{what} batches per optimizer "
                                   f"step exceed the {steps_per_epoch} batch(es) of loader.batch_size="
                                   f"{cfg.loader.batch_size} per process in an epoch of the training split")
     return cfg.train.max_steps or cfg.train.epochs * steps_per_epoch // accum
 
 
 def check_step_fits_epoch(cfg: Config, train_count: int, data: str, world_size: int | None = None) -> None:
-    """ConfigError unless the samples of one optimizer step, loader.batch_size x train.grad_accum_steps x
+    """ConfigError unless the samples of one optimizer step, loader.batch_size x the accumulated batches x
     the world size (``world_size``, else torchrun's WORLD_SIZE, else 1; workers check their own world
-    again in :func:`total_steps`), fit in the ``train_count`` training samples of ``data``.
+    again in :func:`total_steps`), fit in the ``train_count`` training samples of ``data``, and
+    ``train.global_batch`` (when set) is a whole number of batches at that world size.
 
     A larger step would read the training split several times over within one step, and ``train.epochs``
     would count steps, not passes over the data."""
     world = world_size or launch_env()[1]
+    accum = accumulation(cfg, world)
     batch = cfg.loader.batch_size * world
     batches = epoch_batches(train_count, batch, cfg.loader.drop_last)
-    if cfg.train.grad_accum_steps > batches:
-        step = batch * cfg.train.grad_accum_steps
-        raise _step_exceeds_epoch(batches, f"train.grad_accum_steps={cfg.train.grad_accum_steps} x "
-                                  f"loader.batch_size={cfg.loader.batch_size} x {world} process(es) = {step} "
-                                  f"samples per optimizer step exceed the {train_count} training samples in "
-                                  f"{data}")
+    if accum > batches:
+        step = batch * accum
+        what = (f"train.global_batch={cfg.train.global_batch}" if cfg.train.global_batch else
+                f"train.grad_accum_steps={accum} x loader.batch_size={cfg.loader.batch_size} x {world} "
+                f"process(es) = {step}")
+        raise _step_exceeds_epoch(batches, f"{what} samples per optimizer step exceed the {train_count} "
+                                  f"training samples in {data}")
 
 
 def _step_exceeds_epoch(batches: int, numbers: str) -> ConfigError:

@@ -14,6 +14,7 @@ import gc
 import importlib
 import logging
 import sys
+import time
 from collections.abc import Iterator
 from contextlib import ExitStack, contextmanager
 from pathlib import Path
@@ -43,6 +44,7 @@ from traincore.run.dist import (
 )
 from traincore.run.early_stopping import EarlyStopping
 from traincore.run.ema import EMA
+from traincore.run.membership import Membership
 from traincore.run.param_groups import freeze, optimizer_groups
 from traincore.run.preemption import (
     Preempted,
@@ -53,7 +55,7 @@ from traincore.run.preemption import (
 from traincore.run.preflight import preflight
 from traincore.run.schedule import lr_factor
 from traincore.run.state import Progress, load_model_tensors, training_registry, unwrap_model
-from traincore.run.steps import endless, seed_everything, total_steps, train_step, validate
+from traincore.run.steps import accumulation, endless, seed_everything, total_steps, train_step, validate
 from traincore.telemetry import (
     ProfilerWindow,
     RecordsSync,
@@ -156,12 +158,14 @@ class Trainer:
         self.output.mkdir(parents=True, exist_ok=True)
         if ctx.is_main:
             clear_record(self.checkpoint_root)
-        self.loader, self.val_split = training_loader(cfg, self.data, ctx, stack)
-        self.total_steps = total_steps(cfg, self.loader.steps_per_epoch)
+        # Batches per step on each rank: train.global_batch keeps a step's samples whatever the world size.
+        self.accum = accumulation(cfg, ctx.world_size)
+        self.loader, self.val_split = training_loader(cfg, self.data, ctx, stack, self.accum)
+        self.total_steps = total_steps(cfg, self.loader.steps_per_epoch, self.accum)
         # Where this run stops: the last step, or train.stop_after's (a rung of a search, continued later).
         self.end_step = min(self.total_steps, cfg.train.stop_after or self.total_steps)
         # Samples per optimizer step, across ranks and accumulated batches.
-        self.step_batch_size = self.loader.global_batch_size * cfg.train.grad_accum_steps
+        self.step_batch_size = self.loader.global_batch_size * self.accum
         self.startup.mark("loader")
         model = build_model(cfg.model, self.manifest.num_classes, self.manifest.shape, seed=cfg.train.seed)
         freeze(model, cfg.optim.param_groups)  # before DDP or FSDP2 decide what they reduce
@@ -184,6 +188,8 @@ class Trainer:
         self.registry = training_registry(self.model, self.optimizer, self.scheduler, self.loader,
                                           self.progress, self.run_meta)
         self.registry.register("telemetry", self.telemetry)
+        self.membership = Membership(ctx.world_size, self.step_batch_size)
+        self.registry.register("membership", self.membership)
         if self.ema is not None:
             self.registry.register("ema", self.ema)
         stopping = cfg.train.early_stopping
@@ -303,8 +309,9 @@ class Trainer:
             at_most = self.end_step if self.cfg.train.stop_after else None
             resumed = self.checkpointer.load(None if wanted == "latest" else int(wanted), at_most)
         self._warm_start(resumed)
-        self.telemetry.resumed_at(resumed or 0)
-        accum = self.cfg.train.grad_accum_steps
+        # (step, time) of the newest step an earlier attempt logged here: what a membership change redoes
+        self.last_logged = self.telemetry.resumed_at(resumed or 0)
+        accum = self.accum
         log.info("training %s (%s parameters) on %s for %d steps, %d per epoch, global batch %d%s%s",
                  self.cfg.model.name, f"{parameter_count(self.model):,}", self.ctx.device, self.total_steps,
                  max(1, self.loader.steps_per_epoch // accum), self.step_batch_size,
@@ -321,7 +328,7 @@ class Trainer:
         first_step = progress.step + 1
         while progress.step < self.end_step:
             with self.telemetry.data_wait():
-                micro_batches = [next(batches) for _ in range(cfg.train.grad_accum_steps)]
+                micro_batches = [next(batches) for _ in range(self.accum)]
             self.profiler.on_step(progress.step)
             loss = train_step(self.model, self.optimizer, self.scheduler, micro_batches, cfg,
                               before_update=self.checkpointer.wait_for_snapshot)
@@ -329,8 +336,9 @@ class Trainer:
                 self.ema.update()
             progress.step += 1
             step, last = progress.step, progress.step == self.end_step
-            self.telemetry.step_done(step, loss, self.scheduler.get_last_lr()[0])
+            self.telemetry.step_done(step, loss, self.scheduler.get_last_lr()[0], self.loader.take_digest())
             if step == first_step:
+                self._membership_change(step)
                 tighten_timeout(cfg.dist)  # start-up is over: a hung peer should now fail fast
                 self.startup.mark("first step")
                 self.telemetry.log_startup(step, self.startup)
@@ -352,6 +360,14 @@ class Trainer:
                 self._stop_preempted(step, saved)
         self.preemption.finish()
         self.checkpointer.wait()
+
+    def _membership_change(self, step: int) -> None:
+        """At the first step after a resume at another world size: its line (every rank knows the change,
+        rank 0 prints it) and its record."""
+        if not (self.membership.changed and self.ctx.is_main):
+            return
+        record = self.membership.record(step - 1, self.last_logged, time.time())
+        self.telemetry.log_membership(step, record)
 
     def _ema(self) -> EMA:
         """The average of the weights (optim.ema_decay), sharded as the model is."""
@@ -415,10 +431,11 @@ def deterministic_algorithms(enabled: bool) -> Iterator[None]:
         torch.use_deterministic_algorithms(before[0], warn_only=before[1])
 
 
-def training_loader(cfg: Config, data: Store, ctx: DistContext,
-                    stack: ExitStack) -> tuple[StagedLoader, StagedSplit | StreamedSplit]:
+def training_loader(cfg: Config, data: Store, ctx: DistContext, stack: ExitStack,
+                    accum: int = 1) -> tuple[StagedLoader, StagedSplit | StreamedSplit]:
     """This rank's resumable loader over the train split (autotuned when asked), and the val split; a
-    dataset in an object store is streamed, its cache closed by ``stack`` with the run."""
+    dataset in an object store is streamed, its cache closed by ``stack`` with the run; ``accum`` batches
+    to an optimizer step."""
     normalization = (cfg.data.mean, cfg.data.std) if cfg.data.mean else None
     if data.local:
         train_split, val_split = (StagedSplit(data.path, split, normalization=normalization)
@@ -436,7 +453,7 @@ def training_loader(cfg: Config, data: Store, ctx: DistContext,
         loader_cfg = autotune(train_split, loader_cfg, rank=ctx.rank, world_size=ctx.world_size,
                               seed=cfg.train.seed, device=ctx.device)
     loader = StagedLoader(train_split, loader_cfg, rank=ctx.rank, world_size=ctx.world_size,
-                          seed=cfg.train.seed, device=ctx.device)
+                          seed=cfg.train.seed, device=ctx.device, accum=accum)
     return loader, val_split
 
 

@@ -16,6 +16,8 @@ import time
 import torch
 from torch import nn
 
+from traincore.data import DIGEST_MODULUS
+
 logger = logging.getLogger(__name__)
 
 GIB = float(2**30)
@@ -171,7 +173,8 @@ class WaitTimer:
 
 
 class IntervalMeter:
-    """Loss sum and step count of one logging interval; the loss stays on its device until reduced."""
+    """Loss sum, step count and sample digest of one logging interval; the loss stays on its device until
+    reduced."""
 
     def __init__(self, device: torch.device) -> None:
         self.device = device
@@ -180,20 +183,26 @@ class IntervalMeter:
     def reset(self) -> None:
         """Start a new interval."""
         self.steps = 0
+        self.digest = 0
         self._loss_sum = torch.zeros((), dtype=torch.float32, device=self.device)
 
-    def add(self, loss: torch.Tensor) -> None:
-        """Record one step's mean batch loss: one device add, no host sync (no ``.item()``)."""
+    def add(self, loss: torch.Tensor, digest: int = 0) -> None:
+        """Record one step's mean batch loss (one device add, no host sync: no ``.item()``) and the digest
+        of the samples this rank took in it (traincore.data.loader.sample_digest)."""
         self._loss_sum += loss.detach().float()
+        self.digest = (self.digest + digest) % DIGEST_MODULUS
         self.steps += 1
 
-    def reduce_loss(self) -> float:
-        """Mean loss of the interval over all ranks: a collective when a process group exists."""
+    def reduce(self) -> tuple[float, int]:
+        """Mean loss of the interval and the digest of its samples, over all ranks: collectives when a
+        process group exists."""
         total = torch.stack((self._loss_sum, self._loss_sum.new_tensor(float(self.steps))))
+        digest = torch.tensor([self.digest], dtype=torch.int64, device=self.device)
         if torch.distributed.is_available() and torch.distributed.is_initialized():
             torch.distributed.all_reduce(total)
+            torch.distributed.all_reduce(digest)
         loss_sum, count = total.tolist()
-        return loss_sum / max(count, 1.0)
+        return loss_sum / max(count, 1.0), int(digest.item()) % DIGEST_MODULUS
 
 
 class RunTotals:

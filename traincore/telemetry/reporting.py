@@ -20,7 +20,7 @@ import torch
 
 from traincore.config import TelemetryConfig
 from traincore.telemetry.metrics import IntervalMeter, RunTotals, WaitTimer, memory_metrics, peak_flops
-from traincore.telemetry.sinks import MetricSink, build_sinks
+from traincore.telemetry.sinks import JsonlSink, MetricSink, build_sinks
 from traincore.telemetry.startup import StartupClock
 from traincore.telemetry.wandb_access import resolve_wandb_key
 
@@ -165,15 +165,16 @@ class Telemetry:
         """Context manager for ``next(it)`` and the host-to-device wait: its time is data-wait."""
         return self._wait
 
-    def step_done(self, step: int, loss: torch.Tensor, lr: float) -> dict[str, float] | None:
-        """Record a finished step; at interval ends return the metrics on rank 0 (None elsewhere).
+    def step_done(self, step: int, loss: torch.Tensor, lr: float, digest: int = 0) -> dict[str, float] | None:
+        """Record a finished step and the digest of the samples this rank took in it; at interval ends
+        return the metrics on rank 0 (None elsewhere).
 
         Every rank must call it at every step: interval ends run an all-reduce.
         """
         if self._interval_start is None:
             first = self._wait.first_entry
             self._interval_start = self._created if first is None else first
-        self._meter.add(loss)
+        self._meter.add(loss, digest)
         if self._bar is not None:
             self._bar.update(step)
         if step % self.cfg.log_every and step != self.total_steps:
@@ -181,7 +182,7 @@ class Telemetry:
         return self._end_interval(step, lr)
 
     def _end_interval(self, step: int, lr: float) -> dict[str, float] | None:
-        loss = self._meter.reduce_loss()
+        loss, digest = self._meter.reduce()
         now = time.perf_counter()
         steps, seconds = self._meter.steps, max(now - self._interval_start, 1e-9)
         wait = self._wait.seconds - self._interval_wait_start
@@ -193,9 +194,13 @@ class Telemetry:
         self._interval_start, self._interval_wait_start = now, self._wait.seconds
         if self.rank != 0:
             return None
+        # world_size and global_batch on every row: an elastic run's world changes, its global batch not;
+        # sample_digest: of every sample the interval's steps took, over all ranks (elastic runs check that
+        # no sample of an epoch was skipped or taken twice by adding them up)
         metrics = {"loss": loss, "lr": float(lr), "samples_per_s": samples / seconds,
                    "step_time_s": seconds / steps, "data_wait_s": wait / steps,
-                   "data_wait_share": min(wait / seconds, 1.0)}
+                   "data_wait_share": min(wait / seconds, 1.0), "world_size": self.world_size,
+                   "global_batch": self.global_batch_size, "sample_digest": digest}
         if self._peak and self._flops_per_sample:
             metrics["mfu"] = (self._flops_per_sample * metrics["samples_per_s"]
                               / (self._peak * self.world_size))
@@ -255,6 +260,11 @@ class Telemetry:
             sink.log(step, values, kind="eval")
         logger.info("eval step %d | %s", step, " | ".join(f"{k} {v:.4f}" for k, v in values.items()))
 
+    def log_membership(self, step: int, record: dict[str, float]) -> None:
+        """Write a membership change (traincore.run.membership) as kind "membership" (rank 0 only)."""
+        for sink in self._sinks:
+            sink.log(step, record, kind="membership")
+
     def summary(self) -> dict[str, float]:
         """Totals: steps, samples_per_s (after warm-up if possible), data_wait_share, final_loss, wall_s."""
         totals = self._totals
@@ -279,17 +289,22 @@ class Telemetry:
         self._wall_before = float(state.pop("wall_s", 0.0))
         self._totals.load_state_dict(state)
 
-    def resumed_at(self, step: int) -> None:
+    def resumed_at(self, step: int) -> tuple[int, float] | None:
         """The run continues after ``step`` (0: it starts fresh); call once, before the first ``step_done``.
 
         An earlier attempt in this output directory may have logged steps after its last checkpoint; they
         are trained again now, so every sink forgets them (metrics.jsonl drops their records, TensorBoard
-        purges their events) and each step is reported once. Rank 0 only; a no-op elsewhere.
+        purges their events) and each step is reported once. Returns the (step, time) of the newest step
+        metrics.jsonl held before (None without one). Rank 0 only; a no-op elsewhere.
         """
+        last = None
         for sink in self._sinks:
+            if isinstance(sink, JsonlSink):
+                last = sink.last_step()
             sink.resumed_at(step)
         if self._bar is not None:
             self._bar.update(step)
+        return last
 
     def close(self) -> None:
         """Stop the progress bar and flush and close every sink; idempotent and never raises."""

@@ -42,6 +42,9 @@ from traincore.config import TelemetryConfig
 from traincore.files import publish, temporary_sibling
 from traincore.telemetry.wandb_access import WANDB_OFFLINE_FIX, WandbError, resolve_wandb_key, wandb_base_url
 
+CHECKS_ONLY = frozenset({"sample_digest"})
+"""Fields metrics.jsonl keeps but TensorBoard and W&B do not plot: a digest is a check, not a curve."""
+
 
 class MetricSink(Protocol):
     """Where rank 0 sends metrics; ``kind`` is "train", "eval" or "startup" (once per attempt)."""
@@ -77,6 +80,21 @@ class JsonlSink:
         record = {"step": step, "time": time.time(), "kind": kind, **metrics}
         self._file.write(json.dumps(record) + "\n")
         self._file.flush()
+
+    def last_step(self) -> tuple[int, float] | None:
+        """(step, time) of the newest training record in the file; None without one."""
+        try:
+            lines = self.path.read_bytes().splitlines()
+        except FileNotFoundError:
+            return None
+        for line in reversed(lines):
+            try:
+                record = json.loads(line)
+            except ValueError:  # a torn last line
+                continue
+            if record.get("kind") == "train":
+                return int(record["step"]), float(record["time"])
+        return None
 
     def resumed_at(self, step: int) -> None:
         """Drop the records of steps after ``step`` (and a torn last line): the resumed run logs them again.
@@ -137,7 +155,8 @@ class TensorBoardSink:
         if self._writer is None:
             self._writer = self._open()
         for name, value in metrics.items():
-            self._writer.add_scalar(f"{kind}/{name}", float(value), step, new_style=True)
+            if name not in CHECKS_ONLY:
+                self._writer.add_scalar(f"{kind}/{name}", float(value), step, new_style=True)
 
     def _open(self):
         # Imported here, at the first interval: with what it brings along (boto3, through tensorboard's
@@ -213,7 +232,8 @@ class WandbSink:
         """Log ``kind/name`` scalars at ``step``."""
         if self._run is None:
             self._run = self._start()
-        self._run.log({f"{kind}/{name}": value for name, value in metrics.items()}, step=step)
+        self._run.log({f"{kind}/{name}": value for name, value in metrics.items() if name not in CHECKS_ONLY},
+                      step=step)
 
     def resumed_at(self, step: int) -> None:
         """Start the W&B run (nothing to drop: every attempt logs to a run of its own, from ``step`` on)."""
