@@ -53,6 +53,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                         "this interpreter's)")
     parser.add_argument("--node-timeout", type=float, default=1800, help="seconds before a node's pods are "
                         "killed (default 1800)")
+    parser.add_argument("--reschedule-after", type=float, default=0.0, metavar="S",
+                        help="seconds before a lost pod of an elastic job (SIGKILLed; its workers restart on "
+                             "failure) is made again, as it waits to be scheduled (%(default)s)")
     parser.add_argument("--echo", action="store_true", help="stream every pod's output, prefixed by its name")
     parser.add_argument("--summary-json", type=Path, help="write node wall times and outputs here as JSON")
     return parser.parse_args(argv)
@@ -88,7 +91,7 @@ def replay_package(args: argparse.Namespace) -> dict:
     print(f"replay: {args.package.name} ({'fast' if package.fast else 'non-fast'} registration), launch plan "
           f"{plan.id.name}, execution {execution.name}, workdir {workdir}", flush=True)
     replay = Replay(store, execution, workdir, args.python_bin.resolve(), code, args.node_timeout, args.echo,
-                    workflows=package.workflows)
+                    reschedule_s=args.reschedule_after, workflows=package.workflows)
     started = time.monotonic()
     outputs = replay.run_nodes(workflow.nodes, package.tasks, {literals.START_NODE: inputs})
     final = literals.bind_inputs(workflow.outputs, outputs)

@@ -45,6 +45,7 @@ class Replay:
     code_location: str | None = None
     timeout_s: float = 1800
     echo: bool = False
+    reschedule_s: float = 0.0  # until the operator's new pod for a lost one starts (restart policy OnFailure)
     attempt: int = 0  # FLYTE_ATTEMPT_NUMBER of every node run (a Flyte retry of one node: replay.retry)
     workflows: dict[str, workflow_pb2.WorkflowTemplate] = field(default_factory=dict)  # sub-workflows
     timings: list[NodeTiming] = field(default_factory=list)
@@ -150,8 +151,13 @@ class Replay:
             return self._run_dynamic(node_id, spec, paths)
         return self._read_outputs(node_id, template, paths)
 
-    def _run(self, node_id: str, pods: list[PodSpec]) -> list[PodResult]:
-        results = run_pods(pods, self.workdir, self.python_bin, self.timeout_s, self.echo)
+    def _run(self, node_id: str, pods: list[PodSpec], recreate: bool = False,
+             first_serves: str | None = None) -> list[PodResult]:
+        """``recreate``: a lost pod is made again, as the training operator does for workers whose restart
+        policy is OnFailure; ``first_serves``: the rendezvous endpoint the first pod hosts
+        (replay.pod.run_pods)."""
+        results = run_pods(pods, self.workdir, self.python_bin, self.timeout_s, self.echo,
+                           self.reschedule_s if recreate else None, first_serves)
         failed = [r for r in results if r.returncode != 0]
         if failed:
             tails = "\n".join(f"--- {r.name} (exit {r.returncode}, log {r.log}):\n{r.log_tail()}"
@@ -172,7 +178,12 @@ class Replay:
         manifest.parent.mkdir(parents=True, exist_ok=True)
         manifest.write_text(json.dumps(job, indent=1))
         pods = pytorchjob.loopback(pytorchjob.operator_pods(job), job)
-        return self._run(node_id, pods)
+        # A job whose pods are made again (restart policy OnFailure: an elastic range) outlives a lost pod
+        # only while worker-0, whose address the endpoint names, hosts the rendezvous store, as on a cluster.
+        # Other jobs start their pods at once: which of them hosts the store matters to none of them.
+        elastic = job["spec"]["pytorchReplicaSpecs"]["Worker"]["restartPolicy"] == "OnFailure"
+        return self._run(node_id, pods, recreate=elastic,
+                         first_serves=pods[0].env["PET_RDZV_ENDPOINT"] if elastic else None)
 
     def _raise_task_error(self, node_id: str, paths: NodePaths) -> None:
         """flytekit reports a task's exception in error.pb and exits 0; propeller fails the node on it."""

@@ -14,6 +14,7 @@ import json
 import os
 import re
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -162,6 +163,16 @@ class RunningPod:
                          timed_out and self.proc.returncode < 0)
 
 
+def _wait_serving(endpoint: str, pod: RunningPod, deadline: float) -> None:
+    """Until something listens at ``endpoint`` (``host:port``), ``pod`` ends, or the deadline passes."""
+    host, port = endpoint.rsplit(":", 1)
+    while pod.poll() is None and time.monotonic() < deadline:
+        with socket.socket() as probe:
+            if probe.connect_ex((host, int(port))) == 0:
+                return
+        time.sleep(0.2)
+
+
 def cpu_shares(pods: int) -> list[set[int] | None]:
     """The cores of each of ``pods`` pods started together (a job's workers): a share of this machine's,
     as each pod of the job on a cluster has its own node's (or, under the kubelet's static CPU policy,
@@ -185,15 +196,40 @@ def pinned_to(cpus: set[int] | list[int] | None):
 
 
 def run_pods(specs: list[PodSpec], workdir: Path, python_bin: Path, timeout_s: float,
-             echo: bool = False) -> list[PodResult]:
-    """Start every pod, wait for all; the first failure (or the timeout) stops the rest, as a job would."""
-    pods = [RunningPod(spec, workdir, python_bin, echo, cpus)
-            for spec, cpus in zip(specs, cpu_shares(len(specs)), strict=True)]
+             echo: bool = False, recreate_after_s: float | None = None,
+             first_serves: str | None = None) -> list[PodResult]:
+    """Start every pod, wait for all; the first failure (or the timeout) stops the rest, as a job would.
+
+    ``first_serves`` (``host:port``, a job's rendezvous endpoint): the other pods start once the first pod
+    listens there. On a cluster only worker-0 can host the store, the endpoint being its Service's name;
+    on loopback every pod's address matches, and the first agent to bind would host it.
+
+    ``recreate_after_s`` (a job whose workers restart on failure): a pod killed by SIGKILL, as a lost node
+    kills it, is made again that many seconds later (the operator's new pod, waiting to be scheduled), under
+    the same name and on the same cores; the killed one's log is kept as ``log-lost-<n>.txt``."""
+    shares = cpu_shares(len(specs))
     deadline, timed_out = time.monotonic() + timeout_s, False
+    pods = [RunningPod(specs[0], workdir, python_bin, echo, shares[0])]
+    if first_serves:
+        _wait_serving(first_serves, pods[0], deadline)
+    pods += [RunningPod(spec, workdir, python_bin, echo, cpus)
+             for spec, cpus in zip(specs[1:], shares[1:], strict=True)]
+    due: dict[int, float] = {}  # pod index -> when its new pod starts
     try:
-        while any(p.poll() is None for p in pods):
+        while any(p.poll() is None for p in pods) or due:
             timed_out = time.monotonic() > deadline
-            if any(p.poll() not in (None, 0) for p in pods) or timed_out:
+            for index, pod in enumerate(pods):
+                if recreate_after_s is not None and pod.poll() == -signal.SIGKILL and index not in due:
+                    due[index] = time.monotonic() + recreate_after_s
+            for index, at in list(due.items()):
+                if time.monotonic() >= at:
+                    pods[index].result()  # its log is complete
+                    lost = sorted(pods[index].dir.glob("log-lost-*.txt"))
+                    pods[index].log.rename(pods[index].dir / f"log-lost-{len(lost)}.txt")
+                    pods[index] = RunningPod(specs[index], workdir, python_bin, echo, shares[index])
+                    del due[index]
+            failed = [i for i, p in enumerate(pods) if p.poll() not in (None, 0) and i not in due]
+            if failed or timed_out:
                 break
             time.sleep(0.2)
     finally:

@@ -26,7 +26,14 @@ from tasks.storage import is_uri, local_path, source_storage_options
 from tasks.types import NodeResources, SlurmSettings, Topology
 from traincore.config import PRESETS, Config, ConfigError, DataConfig, build_config, parse_source
 from traincore.data import StagingError, check_partitions, source_fingerprint
-from traincore.run import OutputError, check_model_input, check_param_groups, ensure_writable_dir
+from traincore.run import (
+    OutputError,
+    check_model_input,
+    check_param_groups,
+    elastic_config,
+    ensure_writable_dir,
+    node_range,
+)
 
 
 class LaunchInputError(UserFacingError):
@@ -115,6 +122,41 @@ def check_source(source: str, origin: str = "input source") -> None:
                "point it at <root>/<class>/<image> files or use a URI (s3://, gs://)")
         raise LaunchInputError(f"{origin}={source!r}: the dataset path {path} does not exist or is not a "
                                f"directory; {fix}")
+
+
+def parse_nodes(nnodes: str) -> tuple[int, int]:
+    """The nnodes input, "N" or "MIN:MAX", as (MIN, MAX); a LaunchInputError naming the form otherwise."""
+    try:
+        return node_range(nnodes)
+    except ValueError as exc:
+        raise LaunchInputError(f"input {exc}") from exc
+
+
+def check_node_range(cfg: Config, topology: Topology) -> Config:
+    """A range of nodes only where nodes can come and go (Kubernetes pods), with restarts to re-form the
+    run after a loss, and a global batch every node count of the range splits into whole batches (fixed at
+    the largest world when config_overrides leave train.global_batch unset: traincore.run.elastic_config)."""
+    if not topology.elastic:
+        return cfg
+    nodes, backend = topology.nodes, topology.backend
+    if backend == "local":
+        raise LaunchInputError(
+            f"input nnodes={nodes!r} is a range, but backend='local' runs one agent on this machine, which "
+            "cannot lose or gain a node: set nnodes=1, or start torchrun agents yourself with --nnodes "
+            f"{nodes} (docs/reliability.md, a node range)")
+    if backend == SLURM_BACKEND:
+        raise LaunchInputError(
+            f"input nnodes={nodes!r} is a range, but a Slurm job's allocation has a fixed node count: give "
+            f"nnodes={topology.nnodes}; a node that fails ends the job's attempt, and a Flyte retry resumes "
+            "from the last committed checkpoint")
+    if topology.max_restarts < 1:
+        raise LaunchInputError(
+            f"input nnodes={nodes!r} is a range: the survivors of a lost node go on by restarting their "
+            "workers, so give max_restarts >= 1 (one per loss the run should survive)")
+    try:
+        return elastic_config(cfg, (topology.min_nnodes, topology.nnodes), topology.nproc_per_node)
+    except ConfigError as exc:
+        raise LaunchInputError(f"input nnodes={nodes!r}: {exc}") from exc
 
 
 def check_capacity(capacity: str, backend: str) -> None:
@@ -268,7 +310,7 @@ class RunPlan(NamedTuple):
 
 @task
 def plan_run(source: str, preset: str, config_overrides: str, epochs: int, max_steps: int, backend: str,
-             nnodes: int, nproc_per_node: int, gpus_per_node: int, accelerator: str, max_restarts: int,
+             nnodes: str, nproc_per_node: int, gpus_per_node: int, accelerator: str, max_restarts: int,
              parallelism: str, checkpoint_uri: str, slurm_target: str, slurm_partition: str,
              slurm_account: str, slurm_time_limit: str, slurm_sbatch_flags: str, slurm_setup: str,
              store_secret: str = "", capacity: str = "on-demand", stage_partitions: int = 0,
@@ -281,11 +323,13 @@ def plan_run(source: str, preset: str, config_overrides: str, epochs: int, max_s
     origin = source_origin(source, preset, cfg)
     check_source(cfg.data.source, origin)
     requests = check_resources(resources)
-    topology = Topology(backend=backend, nnodes=nnodes, nproc_per_node=nproc_per_node,
-                        gpus_per_node=gpus_per_node, accelerator=accelerator, max_restarts=max_restarts,
-                        rdzv_timeout_s=cfg.dist.init_timeout_s, slurm=slurm, store_secret=store_secret,
-                        resources=requests["train"])
+    low, high = parse_nodes(nnodes)
+    topology = Topology(backend=backend, nnodes=high, min_nnodes=low if low < high else 0,
+                        nproc_per_node=nproc_per_node, gpus_per_node=gpus_per_node, accelerator=accelerator,
+                        max_restarts=max_restarts, rdzv_timeout_s=cfg.dist.init_timeout_s, slurm=slurm,
+                        store_secret=store_secret, resources=requests["train"])
     local_run = FlyteContextManager.current_context().execution_state.is_local_execution()
+    cfg = check_node_range(cfg, topology)
     check_topology(topology, local_run)
     check_capacity(capacity, backend)
     check_stage_partitions(stage_partitions)
@@ -298,7 +342,7 @@ def plan_run(source: str, preset: str, config_overrides: str, epochs: int, max_s
     length = f"{cfg.train.max_steps} steps" if cfg.train.max_steps else f"{cfg.train.epochs} epochs"
     print(f"plan: preset {preset}, source {cfg.data.source} ({origin}; {fingerprint}), "
           f"model {cfg.model.name}, "
-          f"{length}; {nnodes} node(s) x {nproc_per_node} process(es) on {backend}, "
+          f"{length}; {topology.nodes} node(s) x {nproc_per_node} process(es) on {backend}, "
           f"{cfg.dist.parallelism}", flush=True)
     return RunPlan(config=cfg, data=cfg.data, topology=topology, source_fingerprint=fingerprint,
                    stage_resources=requests["stage"])

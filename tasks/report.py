@@ -75,9 +75,13 @@ def _plot(axis: Axes, points: list[tuple[int, float]], label: str | None = None,
 
 
 def curves_png(records: list[dict]) -> bytes | None:
-    """One panel per available training curve against the step; None when there is nothing to draw."""
+    """One panel per available training curve against the step, and the world size where it changed (an
+    elastic run's membership changes); None when there is nothing to draw."""
     series = [(metric, title, points) for metric, title in CURVES
               if (points := _points(records, "train", metric))]
+    world = _points(records, "train", "world_size")
+    if len({size for _, size in world}) > 1:
+        series.append(("world_size", "world size (processes)", world))
     if not series:
         return None
     from matplotlib.figure import Figure

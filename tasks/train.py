@@ -23,6 +23,7 @@ from typing import Any, NoReturn
 import flytekit
 import torch.distributed as dist
 from flytekit import FlyteContextManager, Resources, Secret
+from flytekit.configuration import SerializationSettings
 from flytekit.core.base_task import TaskMetadata
 from flytekit.exceptions.user import FlyteRecoverableException, FlyteUserRuntimeException
 from flytekit.extend import IgnoreOutputs
@@ -62,6 +63,7 @@ records and this node's stderr tails (tasks copies them) land in one ``records/a
 WANDB_SECRET = Secret(group="wandb", key="api_key", mount_requirement=Secret.MountType.FILE)
 CPU_PER_PROCESS, MEM_GIB_PER_PROCESS = 2, 6
 TRAIN_RETRIES = 3  # recoverable faults only (rendezvous timeouts, lost peers); user errors fail at once
+LAST_CALL_S = 5  # seconds a re-formed elastic world (its minimum of nodes at least) waits for more
 
 
 def train_model(config: Config, dataset: StagedDataset, checkpoint_root: str) -> TrainResult:
@@ -226,14 +228,20 @@ class ElasticTrainTask(TopologyTaskMixin, PytorchElasticFunctionTask):
     def __init__(self, topology: Topology, wandb_secret: bool):
         self.topology, self.wandb_secret = topology, wandb_secret
         timeout = topology.rdzv_timeout_s
+        rdzv = {"timeout": timeout, "join_timeout": timeout, "read_timeout": timeout}
+        if topology.elastic:
+            # A world re-formed after a loss waits this long for more nodes before it trains (c10d's default
+            # 30 s would add to every loss); a node that misses it joins at the next restart.
+            rdzv["last_call_timeout"] = LAST_CALL_S
         super().__init__(
             task_config=Elastic(
-                nnodes=topology.nnodes, nproc_per_node=topology.nproc_per_node,
+                nnodes=topology.nodes if topology.elastic else topology.nnodes,
+                nproc_per_node=topology.nproc_per_node,
                 start_method=worker_start_method(topology),
                 monitor_interval=1,  # the agent notices finished workers within 1 s instead of 5
                 max_restarts=topology.max_restarts, increase_shared_mem=False,
                 # read_timeout too: the c10d store's 60 s default is shorter than a slow pod's start-up.
-                rdzv_configs={"timeout": timeout, "join_timeout": timeout, "read_timeout": timeout},
+                rdzv_configs=rdzv,
                 run_policy=RunPolicy(clean_pod_policy=CleanPodPolicy.ALL) if topology.nnodes > 1 else None),
             task_function=train_function(topology, wandb_secret), **task_settings(topology, wandb_secret))
 
@@ -291,6 +299,20 @@ class ElasticTrainTask(TopologyTaskMixin, PytorchElasticFunctionTask):
             os.environ.pop(STDERR_DIR_ENV, None)
             os.environ.pop(RECORDS_ATTEMPT_ENV, None)
             records.close()  # the end of every local worker's stderr, however the group ended
+
+    def get_custom(self, settings: SerializationSettings) -> dict[str, Any] | None:
+        """The PyTorchJob's spec; for a node range its workers restart on failure.
+
+        The training operator (v1.9, pkg/controller.v1/pytorch UpdateJobStatus) fails a job as soon as a
+        worker pod failed under restart policy Never, which the plugin leaves: an elastic job would end at its
+        first lost node. OnFailure has a lost node's pod made again (it joins when it is scheduled) while the
+        survivors train on; the run policy's backoffLimit of max_restarts bounds the containers that fail and
+        restart in place, so that an error in every attempt still ends the job."""
+        custom = super().get_custom(settings)
+        if self.topology.elastic:
+            custom["workerReplicas"]["restartPolicy"] = "RESTART_POLICY_ON_FAILURE"
+            custom.setdefault("runPolicy", {})["backoffLimit"] = self.topology.max_restarts
+        return custom
 
     @property
     def single_process(self) -> bool:
@@ -361,7 +383,8 @@ def function_name(topology: Topology, wandb_secret: bool) -> str:
     task key that changes the template, so two different templates never share a task ID; parts at their
     default are left out."""
     default = Topology()
-    parts = [topology.backend, f"{topology.nnodes}x{topology.nproc_per_node}"]
+    nodes = topology.nodes.replace(":", "to")  # a range: "1to4x8"
+    parts = [topology.backend, f"{nodes}x{topology.nproc_per_node}"]
     if topology.gpus_per_node:
         parts.append(f"gpu{topology.gpus_per_node}")
     if topology.accelerator:  # a Kubernetes label value; a dot would cut the name short (train_function)

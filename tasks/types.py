@@ -52,7 +52,8 @@ class Topology:
     """Where and how wide training runs: chosen at launch time, never by editing code."""
 
     backend: str = "local"  # one of tasks.backends.BACKENDS
-    nnodes: int = 1
+    nnodes: int = 1  # nodes; with min_nnodes, the most an elastic run may have
+    min_nnodes: int = 0  # the fewest an elastic run goes on with (the range min_nnodes:nnodes); 0 = nnodes
     nproc_per_node: int = 2
     gpus_per_node: int = 0
     accelerator: str = ""  # e.g. nvidia-tesla-a100; empty = any GPU the cluster has
@@ -61,6 +62,16 @@ class Topology:
     slurm: SlurmSettings = field(default_factory=SlurmSettings)
     store_secret: str = ""  # Flyte secret group with the object store's credentials, mounted as files
     resources: NodeResources = field(default_factory=NodeResources)  # each train node's, set at launch
+
+    @property
+    def elastic(self) -> bool:
+        """Whether the node count is a range (torch elastic re-forms the run as nodes come and go)."""
+        return 0 < self.min_nnodes < self.nnodes
+
+    @property
+    def nodes(self) -> str:
+        """The node count as the nnodes input gives it: "N", or "MIN:MAX" for a range."""
+        return f"{self.min_nnodes}:{self.nnodes}" if self.elastic else str(self.nnodes)
 
     @classmethod
     def from_dict(cls, data: dict) -> Topology:

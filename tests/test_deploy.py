@@ -23,7 +23,7 @@ from flytekit.core.context_manager import SecretsManager
 from tasks.image_spec import pipeline_image_spec
 from tasks.launch import train_task_for
 from tasks.plan import SECRET_NAME
-from tasks.slurm.connector import CONNECTOR, FORWARDED_ENV, SSH_KEY_SECRET
+from tasks.slurm.connector import CONNECTOR, FORWARDED_ENV, SECRET_REQUIRED_ENV, SSH_KEY_SECRET
 from tasks.slurm.ssh import SlurmTarget
 from tasks.storage import STORE_SECRET_KEYS
 from tasks.train import WANDB_SECRET
@@ -42,6 +42,8 @@ FILES = {
     "training-operator/gang-scheduling.yaml": ["json-patch"],
     "flyte-binary-values.yaml": ["values"],
     "flyte-core-values.yaml": ["values"],
+    "spot-flyte-binary-values.yaml": ["values"],
+    "spot-flyte-core-values.yaml": ["values"],
     "connector.yaml": ["ServiceAccount", "Deployment", "Service"],
     "create-secrets.sh": "script",
 }
@@ -163,6 +165,24 @@ def flyte_core() -> tuple[dict, dict, dict]:
 
 
 CHARTS = {"flyte-binary": flyte_binary, "flyte-core": flyte_core}
+
+
+def test_the_spot_values_send_interruptible_pods_to_spot_nodes_in_both_charts():
+    """The same settings where each chart reads them: interruptible pods tolerate the spot taint and need
+    the spot label (one key and value for both), and the GPU label that the accelerator input selects."""
+    [binary] = documents("spot-flyte-binary-values.yaml")
+    [core] = documents("spot-flyte-core-values.yaml")
+    settings = binary["configuration"]["inline"]["plugins"]["k8s"]
+    assert core["configmap"]["k8s"]["plugins"]["k8s"] == settings
+    [toleration] = settings["interruptible-tolerations"]
+    requirement = settings["interruptible-node-selector-requirement"]
+    assert (requirement["key"], requirement["operator"], requirement["values"]) == (
+        toleration["key"], "In", [toleration["value"]])
+    assert toleration["effect"] == "NoSchedule" and settings["gpu-device-node-label"]
+    text = doc_text()
+    for label in ("cloud.google.com/gke-spot", "kubernetes.azure.com/scalesetpriority",
+                  "cloud.google.com/gke-accelerator", "nvidia.com/gpu.product", toleration["key"]):
+        assert label in text, f"docs/deploy.md gives no value for {label}"
 
 
 def connector_endpoint() -> str:
@@ -287,6 +307,16 @@ def test_connector_mounts_the_ssh_key_where_flytekit_looks_for_the_flyte_secret(
     assert secret["secretName"] == group
     assert secret["items"] == [{"key": key, "path": os.path.basename(path)}]
     assert path in doc_text()
+
+
+def test_a_missing_connector_secret_lets_the_pod_start_and_is_named_by_the_task():
+    """Optional volumes: without the Secret the pod starts (instead of waiting in ContainerCreating) and
+    SLURM_CONNECTOR_SECRET names it for the error a Slurm task then gets (tasks/slurm/connector.py)."""
+    volumes = connector_objects()["Deployment"]["spec"]["template"]["spec"]["volumes"]
+    secrets = {volume["secret"]["secretName"] for volume in volumes if "secret" in volume}
+    assert all(volume["secret"].get("optional") is True for volume in volumes if "secret" in volume)
+    env = {entry["name"]: entry["value"] for entry in connector_container()["env"]}
+    assert secrets == {env[SECRET_REQUIRED_ENV]} == {"slurm"}
 
 
 def test_connector_mounts_known_hosts_and_ssh_config_in_the_image_users_home():

@@ -49,7 +49,7 @@ def training_pipeline(
     epochs: int = 0,
     max_steps: int = 0,
     backend: str = "local",
-    nnodes: int = 1,
+    nnodes: str = "1",
     nproc_per_node: int = 2,
     gpus_per_node: int = 0,
     accelerator: str = "",
@@ -83,7 +83,9 @@ def training_pipeline(
         max_steps: Train for exactly this many optimizer steps instead of epochs (0 = use epochs).
         backend: Where to train: 'local' (this machine), 'kubernetes' (a PyTorchJob) or 'slurm' (a batch job
             submitted over SSH to slurm_target).
-        nnodes: Number of nodes (pods or Slurm nodes); more than 1 needs backend 'kubernetes' or 'slurm'.
+        nnodes: Number of nodes (pods or Slurm nodes), "N", or "MIN:MAX" for an elastic range on Kubernetes
+            (the run goes on at >= MIN nodes when one is lost, and takes one back; needs max_restarts >= 1;
+            docs/reliability.md). More than 1 needs backend 'kubernetes' or 'slurm'.
         nproc_per_node: Training processes per node (one per GPU on GPU nodes).
         gpus_per_node: GPUs requested per node (0 = CPU training).
         accelerator: GPU type to run on, e.g. 'nvidia-tesla-a100' (empty = any); needs gpus_per_node >= 1.

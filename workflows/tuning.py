@@ -94,7 +94,7 @@ def tune_pipeline(
     epochs: int = 0,
     max_steps: int = 0,
     backend: str = "local",
-    nnodes: int = 1,
+    nnodes: str = "1",
     nproc_per_node: int = 2,
     gpus_per_node: int = 0,
     accelerator: str = "",

@@ -65,6 +65,7 @@ SLURM_TASK_TYPE = "slurm_train"
 JOBS_DIR = ".flyte-torch-pipeline/slurm-jobs"  # on the login node, relative to the user's home
 KEEP_JOB_DIRS = 20  # newest job directories kept there; older ones go once nothing in them changed for a day
 SSH_KEY_SECRET = ("slurm", "ssh_key")  # optional Flyte secret (group, key): the login node's private key
+SECRET_REQUIRED_ENV = "SLURM_CONNECTOR_SECRET"  # set by deploy/connector.yaml: the pod's key must be there
 SLURM_COMMANDS = ("sbatch", "srun", "scontrol", "scancel", "sinfo")
 FORWARDED_ENV = ("FLYTE_AWS_", "AWS_")  # object-store settings and credentials a job needs, by prefix
 LAST_KEPT = 256  # finished jobs whose outcome the connector remembers (a local run reads its own)
@@ -89,8 +90,18 @@ class SlurmJobMeta(ResourceMeta):
 
 def ssh_target(host: str) -> SlurmTarget:
     """How to reach ``host``: ~/.ssh/config and ssh-agent, or only the private key of the Flyte secret
-    ``slurm/ssh_key`` when it is mounted as a file (a connector pod's usual way to hold a key)."""
+    ``slurm/ssh_key`` when it is mounted as a file (a connector pod's usual way to hold a key).
+
+    deploy/connector.yaml mounts its Secret as optional, so that a cluster without it starts the connector
+    (a pod would otherwise wait in ContainerCreating with no word in its log), and names the Secret in
+    SLURM_CONNECTOR_SECRET: there a missing key is this error, in the task that needed it."""
     key_file = SecretsManager().get_secrets_file(*SSH_KEY_SECRET)
+    required = os.environ.get(SECRET_REQUIRED_ENV)
+    if required and not os.path.isfile(key_file):
+        raise LaunchInputError(
+            f"the Slurm connector has no SSH key at {key_file}: the Secret {required!r} in its namespace is "
+            "missing or lacks the key ssh_key (also known_hosts and config); create it with "
+            "deploy/create-secrets.sh (docs/deploy.md, Secrets), then run the task again")
     return SlurmTarget(host=host, key_file=key_file if os.path.isfile(key_file) else None)
 
 

@@ -55,7 +55,7 @@ REPO = Path(__file__).resolve().parents[2]
 CONFIG = preset("debug").with_overrides(TINY)
 COMPLETE_LOOKING = (MANIFEST, MARKER, WEIGHTS_FILE)  # what declares a staging, a checkpoint, an export done
 PLAN = dict(source="digits", preset="digits", config_overrides="", epochs=0, max_steps=0, backend="local",
-            nnodes=1, nproc_per_node=1, gpus_per_node=0, accelerator="", max_restarts=0, parallelism="ddp",
+            nnodes="1", nproc_per_node=1, gpus_per_node=0, accelerator="", max_restarts=0, parallelism="ddp",
             checkpoint_uri="", slurm_target="", slurm_partition="", slurm_account="", slurm_time_limit="",
             slurm_sbatch_flags="", slurm_setup="")
 
@@ -446,7 +446,7 @@ CASES = [
          ("input config_overrides", "loader.batch_size='8'"), ('{"loader.batch_size": 8}',)),
     Case("plan-unknown-parallelism", "plan", lambda e: dict(parallelism="zero3"),
          ("input parallelism", "dist.parallelism='zero3'"), ("one of ddp, fsdp",)),
-    Case("plan-nnodes-2-locally", "plan", lambda e: dict(nnodes=2),
+    Case("plan-nnodes-2-locally", "plan", lambda e: dict(nnodes="2"),
          ("input nnodes=2", "backend='local'"), ("set nnodes=1",)),
     Case("plan-async-checkpoints-without-cpu-backend", "plan",
          lambda e: dict(config_overrides='{"dist": {"backend": "nccl"}, "checkpoint": {"mode": "async"}}'),

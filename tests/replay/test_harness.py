@@ -53,6 +53,24 @@ def test_a_failed_pod_stops_the_others_as_the_job_fails(tmp_path):
     assert time.monotonic() - started < 30
 
 
+def test_a_lost_pod_of_a_job_that_restarts_on_failure_is_made_again_after_its_scheduling(tmp_path):
+    """The first run of the pod SIGKILLs itself (its node lost); the operator's new pod starts 1 s later,
+    under the same name, and the job ends when it does. A pod that fails otherwise still ends the job."""
+    marker = tmp_path / "lost-once"
+    code = (f"import os, pathlib, signal, time; m = pathlib.Path({str(marker)!r})\n"
+            "if not m.exists(): m.touch(); os.kill(os.getpid(), signal.SIGKILL)\n"
+            "print('second life', flush=True)")
+    specs = [PodSpec("worker-0", [sys.executable, "-c", "import time; time.sleep(2)"]),
+             PodSpec("worker-1", [sys.executable, "-c", code])]
+    started = time.monotonic()
+    results = run_pods(specs, tmp_path, BIN, timeout_s=60, recreate_after_s=1.0)
+    assert [r.returncode for r in results] == [0, 0] and time.monotonic() - started >= 1.0
+    pod = tmp_path / "pods" / "worker-1"
+    assert "second life" in (pod / "log.txt").read_text() and (pod / "log-lost-0.txt").is_file()
+    failing = [PodSpec("fails", [sys.executable, "-c", "import sys; sys.exit(3)"])]
+    assert [r.returncode for r in run_pods(failing, tmp_path, BIN, 60, recreate_after_s=1.0)] == [3]
+
+
 def test_pods_get_their_own_home_tmp_and_cwd_outside_the_source_tree(tmp_path):
     code = ("import os; print(os.getcwd(), os.environ['HOME'], os.environ['TMPDIR'], "
             "os.environ.get('PYTHONPATH'), os.environ['X'])")

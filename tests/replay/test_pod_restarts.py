@@ -36,8 +36,10 @@ elastic's restarts of killed workers (tests/faults/test_restarts.py), the specs 
 from __future__ import annotations
 
 import json
+import os
 import signal
 import socket
+import threading
 import time
 import uuid
 from pathlib import Path
@@ -295,3 +297,63 @@ def test_evicted_pods_save_their_step_and_the_flyte_retry_resumes_from_it_bitwis
         started = json.loads((pod / "pod.json").read_text())
         assert started["env"]["FLYTE_ATTEMPT_NUMBER"] == "1" and started["env"]["PET_NNODES"] == "2:2"
         assert f"/{TRAIN_NODE}/data/1" in " ".join(started["args"])
+
+
+ELASTIC_STEPS = 160
+
+
+def _pod_session(pod_dir: Path) -> int | None:
+    """The pid of the pod's first process (a session leader, as replay.pod starts each pod), if it runs."""
+    work = str(pod_dir / "work")
+    for proc in Path("/proc").glob("[0-9]*"):
+        try:
+            if os.readlink(proc / "cwd") == work and os.getsid(int(proc.name)) == int(proc.name):
+                return int(proc.name)
+        except OSError:
+            continue
+    return None
+
+
+def test_a_node_range_job_goes_on_without_a_lost_pod_and_takes_its_new_one_back(non_fast_package,
+                                                                                 tmp_path, s3_server):
+    """nnodes=1:2 on the Kubernetes backend: worker-1's pod is SIGKILLed after the first checkpoint (its
+    node lost). Worker-0 trains on alone, the operator's new worker-1 (restart policy OnFailure) starts 25 s
+    later, as if waiting to be scheduled, and joins at the next restart of the workers; the workflow ends
+    without a Flyte retry, its summary counting two membership changes."""
+    workdir, root = tmp_path / "run", f"s3://{s3_server.bucket}/elastic-{uuid.uuid4().hex[:8]}"
+    config = json.dumps({"telemetry": {"log_every": 1, "records_every_s": 2},
+                         "checkpoint": {"every": EVERY, "mode": "dcp"}})
+    inputs = ("backend=kubernetes", "nnodes=1:2", "nproc_per_node=1", "max_restarts=2",
+              f"max_steps={ELASTIC_STEPS}", f"config_overrides={config}", f"checkpoint_uri={root}")
+    store = Store(root, s3_server.storage_options)
+    killed: list[int] = []
+
+    def lose_worker_1() -> None:
+        deadline = time.monotonic() + 240
+        while time.monotonic() < deadline and not killed:
+            pods = sorted(workdir.glob(f"pods/*-{TRAIN_NODE}-0-worker-1"))
+            pid = _pod_session(pods[0]) if pods else None
+            if pid and complete_steps(store):
+                os.killpg(pid, signal.SIGKILL)
+                killed.append(complete_steps(store)[-1])
+            time.sleep(0.2)
+
+    killer = threading.Thread(target=lose_worker_1, daemon=True)
+    with pytest.MonkeyPatch.context() as patch:
+        for name, value in s3_server.env.items():
+            patch.setenv(name, value)
+        killer.start()
+        code, output, summary = run_replay(non_fast_package, workdir, *inputs,
+                                           options=("--reschedule-after", "25"))
+        killer.join()
+    assert code == 0 and killed, output[-6000:]
+    (node,) = [n for n in summary["nodes"] if n["node_id"] == TRAIN_NODE]
+    assert node["task"].endswith("1to2x1-restarts2") and node["pods"] == 2  # attempt 0: no Flyte retry
+    manifest = json.loads(next((workdir / "jobs").glob("*.json")).read_text())
+    assert manifest["spec"]["elasticPolicy"]["minReplicas"] == 1
+    assert manifest["spec"]["pytorchReplicaSpecs"]["Worker"]["restartPolicy"] == "OnFailure"
+    train = summary["node_outputs"][TRAIN_NODE]["o0"]["summary"]
+    assert (train["steps"], train["world_size"], train["membership_changes"]) == (ELASTIC_STEPS, 2, 2), train
+    assert 0 < train["seconds_lost"] < 120 and train["steps_redone"] >= 0
+    assert sorted(workdir.glob(f"pods/*-{TRAIN_NODE}-0-worker-1/log-lost-0.txt"))  # the lost pod's log
+    assert summary["outputs"]["report"]["result"]["accuracy"] >= 0.8

@@ -30,12 +30,15 @@ crd_schema = _beside_the_task_tests("crd_schema")
 dynamic_compile = _beside_the_task_tests("dynamic_compile")
 
 
-def two_node_train_task(nproc: int = 2, gpus: int = 2) -> tasks_pb2.TaskTemplate:
-    """The train task the registered @dynamic emits for a 2-node Kubernetes launch, as the cluster gets it."""
+def two_node_train_task(nproc: int = 2, gpus: int = 2, min_nnodes: int = 0,
+                        max_restarts: int = 0) -> tasks_pb2.TaskTemplate:
+    """The train task the registered @dynamic emits for a 2-node Kubernetes launch (``min_nnodes`` 1: the
+    range 1:2), as the cluster gets it."""
     from tasks.types import Topology
 
-    topology = Topology(backend="kubernetes", nnodes=2, nproc_per_node=nproc, gpus_per_node=gpus,
-                        accelerator="nvidia-l4" if gpus else "")
+    topology = Topology(backend="kubernetes", nnodes=2, min_nnodes=min_nnodes, nproc_per_node=nproc,
+                        gpus_per_node=gpus, accelerator="nvidia-l4" if gpus else "",
+                        max_restarts=max_restarts)
     return dynamic_compile.compile_train(topology).to_flyte_idl()
 
 
@@ -77,6 +80,26 @@ def test_two_node_job_conforms_to_the_training_operator_crd(schema, tmp_path):
     # The validator is live: Flyte's spelling of a field is not the CRD's, and the server would prune it.
     job["spec"]["elasticPolicy"]["nprocPerNode"] = 2
     assert len(crd_schema.schema_errors(job, schema)) == 1
+
+
+def test_a_node_range_is_the_jobs_elastic_policy_and_its_pods_range(schema, tmp_path):
+    job = manifest(two_node_train_task(nproc=1, gpus=0, min_nnodes=1, max_restarts=1), tmp_path)
+    assert crd_schema.schema_errors(job, schema) == []
+    spec = job["spec"]
+    assert spec["elasticPolicy"] == {"minReplicas": 1, "maxReplicas": 2, "rdzvBackend": "c10d",
+                                     "nProcPerNode": 1, "maxRestarts": 1}
+    worker = spec["pytorchReplicaSpecs"]["Worker"]
+    assert worker["replicas"] == 2  # the most; the operator starts them all
+    # A lost node's pod is made again instead of failing the job; a failing container restarts at most
+    # max_restarts times
+    assert (worker["restartPolicy"], spec["runPolicy"]["backoffLimit"]) == ("OnFailure", 1)
+    fixed = manifest(two_node_train_task(nproc=1, gpus=0, max_restarts=1), tmp_path)["spec"]
+    assert fixed["pytorchReplicaSpecs"]["Worker"]["restartPolicy"] == "Never"
+    pods = pytorchjob.operator_pods(job)
+    assert {pod.env["PET_NNODES"] for pod in pods} == {"1:2"}
+    container = spec["pytorchReplicaSpecs"]["Worker"]["template"]["spec"]["containers"][0]
+    env = {e["name"]: e["value"] for e in container["env"]}
+    assert env["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] == "1"  # a returning pod's agent finds the store
 
 
 def test_worker_pods_are_the_manifest_plus_the_operators_elastic_env(tmp_path):

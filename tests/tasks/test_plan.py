@@ -11,6 +11,7 @@ from tasks.plan import (
     LaunchInputError,
     check_backend,
     check_checkpoint_uri,
+    check_node_range,
     check_source,
     check_topology,
     launch_config,
@@ -21,7 +22,7 @@ from traincore.config.presets import preset
 from traincore.data.fingerprint import source_fingerprint
 
 PLAN_DEFAULTS = dict(source="digits", preset="digits", config_overrides="", epochs=0, max_steps=0,
-                     backend="local", nnodes=1, nproc_per_node=2, gpus_per_node=0, accelerator="",
+                     backend="local", nnodes="1", nproc_per_node=2, gpus_per_node=0, accelerator="",
                      max_restarts=0, parallelism="ddp", checkpoint_uri="", slurm_target="",
                      slurm_partition="", slurm_account="", slurm_time_limit="", slurm_sbatch_flags="",
                      slurm_setup="")
@@ -106,7 +107,7 @@ def test_good_topology_passes(changes, local_run):
 @pytest.mark.parametrize("mode", ["sync", "dcp", "async"])
 def test_several_nodes_checkpoint_into_an_object_store_in_every_mode_with_restarts(mode):
     """Every rank writes its own part straight into the store, so no mode or restart count is refused."""
-    plan = plan_run(**{**PLAN_DEFAULTS, "backend": "slurm", "nnodes": 2, "nproc_per_node": 1,
+    plan = plan_run(**{**PLAN_DEFAULTS, "backend": "slurm", "nnodes": "2", "nproc_per_node": 1,
                        "max_restarts": 1, "slurm_target": "login.example", "parallelism": "fsdp",
                        "checkpoint_uri": "s3://bucket/run",
                        "config_overrides": f'{{"checkpoint": {{"mode": "{mode}"}}}}'})
@@ -120,7 +121,7 @@ def test_plan_task_runs_locally_and_rejects_multi_node():
     assert plan.config.train.max_steps == 12
     assert plan.topology == Topology(nproc_per_node=1, rdzv_timeout_s=plan.config.dist.init_timeout_s)
     with pytest.raises(Exception, match="needs a Flyte cluster"):
-        plan_run(**PLAN_DEFAULTS | dict(backend="kubernetes", nnodes=2))
+        plan_run(**PLAN_DEFAULTS | dict(backend="kubernetes", nnodes="2"))
 
 
 @pytest.mark.parametrize("overrides, message", [
@@ -190,9 +191,39 @@ def test_an_imagefolder_the_staging_would_refuse_fails_the_plan(image_folder_fac
         plan_run(**PLAN_DEFAULTS | dict(source=f"imagefolder:{root}"))
 
 
+@pytest.mark.parametrize("changes, message", [
+    (dict(nnodes="0:2"), r"input nnodes='0:2' is invalid: give a node count N \(e.g. 2\) or a range "),
+    (dict(nnodes="3:2"), r"input nnodes='3:2' is invalid"),
+    (dict(nnodes="a:b"), r"input nnodes='a:b' is not a node count"),
+    (dict(nnodes="0"), r"input nnodes='0' is invalid"),
+    (dict(nnodes="1:2"), r"input nnodes='1:2' is a range, but backend='local' runs one agent on this "
+                         r"machine.*start torchrun agents yourself with --nnodes 1:2"),
+    (dict(nnodes="1:2", backend="slurm", slurm_target="hpc"),
+     r"input nnodes='1:2' is a range, but a Slurm job's allocation has a fixed node count: give nnodes=2"),
+    (dict(nnodes="1:2", backend="kubernetes"), r"input nnodes='1:2' is a range.*give max_restarts >= 1"),
+    (dict(nnodes="2:3", backend="kubernetes", max_restarts=1), r"input nnodes='2:3': train.global_batch=192 "
+     r"cannot be split into whole batches of loader.batch_size=32 on 2 node\(s\) of 2 process\(es\).*a "
+     r"multiple of 384"),
+])
+def test_a_bad_node_count_or_range_is_refused_before_anything_stages(changes, message):
+    with pytest.raises(LaunchInputError, match=message):
+        plan_run(**PLAN_DEFAULTS | dict(preset="digits", source="") | changes)
+
+
+def test_a_range_on_kubernetes_keeps_the_global_batch_of_its_largest_world():
+    topology = Topology(backend="kubernetes", nnodes=4, min_nnodes=2, nproc_per_node=2, max_restarts=1)
+    cfg = preset("digits").with_overrides({"loader.batch_size": 16, "train.global_batch": 384})
+    assert (topology.elastic, topology.nodes) == (True, "2:4")
+    assert check_node_range(cfg, topology) is cfg  # 384 = 16 x 2 x 12 splits at 2, 3 and 4 nodes
+    pair = Topology(backend="kubernetes", nnodes=2, min_nnodes=1, nproc_per_node=2, max_restarts=1)
+    assert check_node_range(preset("digits"), pair).train.global_batch == 32 * 2 * 2
+    fixed = Topology(backend="kubernetes", nnodes=4, nproc_per_node=2)
+    assert (fixed.elastic, fixed.nodes, check_node_range(cfg, fixed)) == (False, "4", cfg)
+
+
 def test_slurm_inputs_are_checked_as_given_without_contacting_the_cluster():
     """A cluster's plan pod need not reach the login node: the connector checks the cluster at submission."""
-    slurm = PLAN_DEFAULTS | dict(backend="slurm", nproc_per_node=1, max_steps=5, nnodes=64,
+    slurm = PLAN_DEFAULTS | dict(backend="slurm", nproc_per_node=1, max_steps=5, nnodes="64",
                                  slurm_target="login.no-such-cluster.invalid", slurm_partition="nowhere")
     plan = plan_run(**slurm)  # an unresolvable host and a partition nobody has: not this task's business
     assert plan.topology.slurm.target == "login.no-such-cluster.invalid" and plan.topology.nnodes == 64

@@ -113,6 +113,16 @@ def test_curves_draw_one_panel_per_available_training_metric_two_a_row():
     assert curves_png([{"step": 1, "kind": "train", "unrelated": 1.0}]) is None
 
 
+def test_the_world_size_gets_a_panel_only_where_it_changed():
+    def run(worlds: list[int]) -> list[dict]:
+        return [{"step": s, "kind": "train", "loss": 1 / s, "world_size": world}
+                for s, world in enumerate(worlds, 1)]
+
+    steady = decode(curves_png(run([2] * 40))).shape
+    elastic = decode(curves_png(run([2] * 15 + [1] * 10 + [2] * 15))).shape  # lost a node, got one back
+    assert 1.8 * steady[1] < elastic[1] < 2.2 * steady[1]  # the loss, and the world size beside it
+
+
 def test_validation_figure_needs_eval_records():
     assert validation_png([r for r in run_records() if r["kind"] != "eval"]) is None
     assert decode(validation_png(run_records())).shape[1] > 500

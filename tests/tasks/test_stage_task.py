@@ -54,9 +54,10 @@ def test_a_different_config_stages_elsewhere_and_the_same_config_reuses(monkeypa
 def plan_and_stage(source: str) -> StagedDataset:
     """The pipeline's first two steps, wired as workflows/pipeline.py wires them."""
     plan = plan_run(source=source, preset="digits", config_overrides='{"data": {"image_size": 8}}', epochs=0,
-                    max_steps=0, backend="local", nnodes=1, nproc_per_node=1, gpus_per_node=0, accelerator="",
-                    max_restarts=0, parallelism="ddp", checkpoint_uri="", slurm_target="", slurm_partition="",
-                    slurm_account="", slurm_time_limit="", slurm_sbatch_flags="", slurm_setup="")
+                    max_steps=0, backend="local", nnodes="1", nproc_per_node=1, gpus_per_node=0,
+                    accelerator="", max_restarts=0, parallelism="ddp", checkpoint_uri="", slurm_target="",
+                    slurm_partition="", slurm_account="", slurm_time_limit="", slurm_sbatch_flags="",
+                    slurm_setup="")
     return stage_dataset(data=plan.data, source_fingerprint=plan.source_fingerprint)
 
 

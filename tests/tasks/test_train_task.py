@@ -139,6 +139,17 @@ def test_a_slurm_jobs_command_rebuilds_the_elastic_task_of_its_topology():
     assert interfaces[0] == interfaces[1]
 
 
+def test_a_node_range_is_the_elastic_tasks_nnodes_with_a_short_last_call():
+    topology = Topology(backend="kubernetes", nnodes=4, min_nnodes=2, nproc_per_node=1, max_restarts=2)
+    task = train_task_for(topology, preset("digits"))
+    assert isinstance(task, ElasticTrainTask) and task.task_config.nnodes == "2:4"
+    assert (task.min_nodes, task.max_nodes) == (2, 4)
+    assert task.task_config.rdzv_configs["last_call_timeout"] == train_module.LAST_CALL_S
+    assert task.name == "tasks.train.train-kubernetes-2to4x1-restarts2"
+    fixed = train_task_for(replace(topology, min_nnodes=0), preset("digits"))
+    assert fixed.task_config.nnodes == 4 and "last_call_timeout" not in fixed.task_config.rdzv_configs
+
+
 def test_task_name_depends_on_the_topology_alone(tmp_path, monkeypatch):
     """flytekit would name a task built while a module is imported after that module too."""
     (tmp_path / "builds_at_import.py").write_text(

@@ -75,7 +75,7 @@ def test_the_digits_pipeline_with_a_sharded_model_reaches_its_accuracy(tmp_path)
     (dict(backend="mesos"), "input backend='mesos' is unknown"),
     (dict(backend="slurm"), "input backend='slurm' needs slurm_target"),
     (dict(nproc_per_node=0), "input nproc_per_node=0"),
-    (dict(nnodes=2), "input nnodes=2 needs backend='kubernetes'"),
+    (dict(nnodes="2"), "input nnodes=2 needs backend='kubernetes'"),
     (dict(source="imagefolder:/no/such/images"), "input source='imagefolder:/no/such/images'"),
 ])
 def test_bad_inputs_fail_before_anything_runs(bad, named, monkeypatch):

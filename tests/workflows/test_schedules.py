@@ -52,7 +52,7 @@ def test_the_gpu_schedule_retrains_on_kubernetes_gpus_warm_started_with_every_in
     fixed = {name: literal.scalar.primitive
              for name, literal in scheduled_gpu_retraining.fixed_inputs.literals.items()}
     assert fixed["backend"].string_value == "kubernetes" and fixed["gpus_per_node"].integer == 8
-    assert fixed["nnodes"].integer == 2 and fixed["nproc_per_node"].integer == 8
+    assert fixed["nnodes"].string_value == "2" and fixed["nproc_per_node"].integer == 8
     defaults = scheduled_gpu_retraining.parameters.parameters
     assert set(fixed) | set(defaults) == set(retrain_and_promote.python_interface.inputs)
     assert defaults["warm_start"].default.scalar.primitive.boolean is True

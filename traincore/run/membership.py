@@ -32,14 +32,18 @@ class Membership:
     def __init__(self, world_size: int, global_batch: int):
         self.world_size, self.global_batch = world_size, global_batch
         self.saved_world_size: int | None = None  # the loaded checkpoint's, once one is loaded
-        self.changes = 0  # membership changes over the whole run (restored on resume)
+        # Over the whole run (restored on resume): changes, steps trained again, seconds from the last step
+        # before each change to the first after it.
+        self.changes, self.steps_redone, self.seconds_lost = 0, 0, 0.0
 
-    def state_dict(self) -> dict[str, int]:
-        return {"world_size": self.world_size, "global_batch": self.global_batch, "changes": self.changes}
+    def state_dict(self) -> dict[str, float]:
+        return {"world_size": self.world_size, "global_batch": self.global_batch, "changes": self.changes,
+                "steps_redone": self.steps_redone, "seconds_lost": self.seconds_lost}
 
-    def load_state_dict(self, state: dict[str, int]) -> None:
+    def load_state_dict(self, state: dict[str, float]) -> None:
         self.saved_world_size = int(state["world_size"])
-        self.changes = int(state.get("changes", 0))
+        self.changes, self.steps_redone = int(state["changes"]), int(state["steps_redone"])
+        self.seconds_lost = float(state["seconds_lost"])
         if self.changed:
             self.changes += 1
 
@@ -55,6 +59,8 @@ class Membership:
         that), None where its metrics are not in this output directory (its main rank was on a lost node)."""
         redone = max(last[0] - resumed_from, 0) if last else -1
         lost = first_step_time - last[1] if last else -1.0
+        if last:
+            self.steps_redone, self.seconds_lost = self.steps_redone + redone, self.seconds_lost + lost
         record = {"old_world_size": self.saved_world_size, "new_world_size": self.world_size,
                   "resumed_from": resumed_from, "steps_redone": redone, "seconds_lost": round(lost, 3),
                   "global_batch": self.global_batch, "changes": self.changes}

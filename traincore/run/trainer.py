@@ -64,6 +64,7 @@ from traincore.telemetry import (
     TrainSummary,
     Workload,
     attempt_records,
+    continue_records,
     logging_setup,
     next_attempt,
     peak_flops,
@@ -283,8 +284,9 @@ class Trainer:
             return None
         attempt = self.attempt if self.attempt is not None else next_attempt(root)
         sources = {"metrics.jsonl": self.output / "metrics.jsonl", "tensorboard": self.output / "tensorboard"}
-        every_s = self.cfg.telemetry.records_every_s
-        return RecordsSync(attempt_records(root, attempt), every_s, sources).start()
+        target = attempt_records(root, attempt)
+        continue_records(target, sources["metrics.jsonl"])
+        return RecordsSync(target, self.cfg.telemetry.records_every_s, sources).start()
 
     def _committed_checkpoint(self) -> str:
         """What a resume loads, from the newest checkpoint this run knows committed (loaded or saved), for
@@ -415,7 +417,10 @@ class Trainer:
                             startup_s=dict(self.startup.phases),
                             records=self.records.target.uri if self.records is not None else "",
                             metric=self.early_stopping.metric, best_step=self.early_stopping.best_step,
-                            best_value=self.early_stopping.best, stopped_early=self.stopped_early)
+                            best_value=self.early_stopping.best, stopped_early=self.stopped_early,
+                            membership_changes=self.membership.changes,
+                            steps_redone=self.membership.steps_redone,
+                            seconds_lost=round(self.membership.seconds_lost, 3))
 
 
 @contextmanager

@@ -12,14 +12,15 @@
 
 from traincore.telemetry.metrics import peak_flops, state_bytes, training_flops_per_sample
 from traincore.telemetry.profiling import ProfilerWindow
-from traincore.telemetry.records import RecordsSync, attempt_records, next_attempt
+from traincore.telemetry.records import RecordsSync, attempt_records, continue_records, next_attempt
 from traincore.telemetry.reporting import Telemetry, Workload, logging_setup
 from traincore.telemetry.startup import StartupClock, process_start_time
 from traincore.telemetry.summary import TrainSummary, format_summary
 from traincore.telemetry.wandb_access import check_wandb_reachable, resolve_wandb_key
 
 __all__ = [
-    "attempt_records", "check_wandb_reachable", "format_summary", "logging_setup", "next_attempt",
-    "peak_flops", "process_start_time", "ProfilerWindow", "RecordsSync", "resolve_wandb_key",
-    "StartupClock", "state_bytes", "Telemetry", "training_flops_per_sample", "TrainSummary", "Workload",
+    "attempt_records", "check_wandb_reachable", "continue_records", "format_summary", "logging_setup",
+    "next_attempt", "peak_flops", "process_start_time", "ProfilerWindow", "RecordsSync",
+    "resolve_wandb_key", "StartupClock", "state_bytes", "Telemetry", "training_flops_per_sample",
+    "TrainSummary", "Workload",
 ]

@@ -194,15 +194,16 @@ class IntervalMeter:
         self.steps += 1
 
     def reduce(self) -> tuple[float, int]:
-        """Mean loss of the interval and the digest of its samples, over all ranks: collectives when a
-        process group exists."""
-        total = torch.stack((self._loss_sum, self._loss_sum.new_tensor(float(self.steps))))
-        digest = torch.tensor([self.digest], dtype=torch.int64, device=self.device)
+        """Mean loss of the interval and the digest of its samples, over all ranks: one all-reduce when a
+        process group exists. The digest travels as two 31-bit halves, which float64 sums exactly."""
+        halves = (self.digest >> 31, self.digest & (2**31 - 1))
+        total = torch.tensor([0.0, float(self.steps), *map(float, halves)], dtype=torch.float64,
+                             device=self.device)
+        total[0] = self._loss_sum  # stays on the device: no sync before the all-reduce
         if torch.distributed.is_available() and torch.distributed.is_initialized():
             torch.distributed.all_reduce(total)
-            torch.distributed.all_reduce(digest)
-        loss_sum, count = total.tolist()
-        return loss_sum / max(count, 1.0), int(digest.item()) % DIGEST_MODULUS
+        loss_sum, count, high, low = total.tolist()
+        return loss_sum / max(count, 1.0), ((int(high) << 31) + int(low)) % DIGEST_MODULUS
 
 
 class RunTotals:

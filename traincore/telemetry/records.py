@@ -40,6 +40,25 @@ def next_attempt(root: Store) -> int:
     return max(numbers, default=-1) + 1
 
 
+def continue_records(target: Store, metrics: Path) -> None:
+    """Before a main rank's first record: where this node has no ``metrics`` file but the attempt's durable
+    copy in ``target`` has one (the main rank moved to this node when an elastic run re-formed, or its pod
+    was made again), start from that copy, so that the attempt's records go on (and a resume learns the
+    last step they hold) instead of being replaced by this node's. Best effort, as every copy here."""
+    if metrics.exists():
+        return
+    try:
+        data = target.read_bytes("metrics.jsonl")
+    except FileNotFoundError:
+        return
+    except Exception as exc:  # the store's own errors (auth, network) come in its own classes
+        log.warning("reading the run record metrics.jsonl from %s failed (%s); this node's starts afresh",
+                    target.uri, exc)
+        return
+    metrics.parent.mkdir(parents=True, exist_ok=True)
+    metrics.write_bytes(data)
+
+
 class RecordsSync:
     """Copies local files and directories into ``target`` now and then, and once more on :meth:`close`.
 

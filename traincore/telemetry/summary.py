@@ -33,6 +33,12 @@ class TrainSummary:
     """That validation's ``metric``."""
     stopped_early: bool = False
     """Whether early stopping (train.early_stopping) ended the run before its last step."""
+    membership_changes: int = 0
+    """World-size changes over the run: nodes of an elastic range lost or returned (docs/reliability.md)."""
+    steps_redone: int = 0
+    """Steps trained again after those changes (each resumed from its last committed checkpoint)."""
+    seconds_lost: float = 0.0
+    """Seconds from the last step before each change to the first after it, added up."""
 
 
 def format_summary(summary: TrainSummary) -> str:
@@ -45,6 +51,9 @@ def format_summary(summary: TrainSummary) -> str:
     stopped = " (stopped early)" if summary.stopped_early else ""
     best = (f" (best {summary.metric} {summary.best_value:.4f} at step {summary.best_step})"
             if summary.best_step is not None and summary.best_step != summary.steps else "")
+    if summary.membership_changes:
+        stopped += (f" across {summary.membership_changes} membership change(s) ({summary.steps_redone} "
+                    f"step(s) trained again, {summary.seconds_lost:.1f} s lost)")
     return (f"trained {summary.steps} steps{stopped} in {summary.wall_s:.1f} s{resumed}: "
             f"{summary.samples_per_s:,.0f} samples/s, data-wait {100 * summary.data_wait_share:.1f}%, "
             f"final loss {summary.final_loss:.4f}, val accuracy {val}{best}; "

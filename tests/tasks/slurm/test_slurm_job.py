@@ -346,6 +346,17 @@ def test_a_mounted_flyte_secret_is_the_only_key_offered(tmp_path, monkeypatch):
     assert ssh_target("hpc-login").key_file == str(tmp_path / "slurm" / "ssh_key")
 
 
+def test_a_connector_pod_without_its_secret_fails_the_task_naming_the_secret(tmp_path, monkeypatch):
+    monkeypatch.setenv("FLYTE_SECRETS_DEFAULT_DIR", str(tmp_path))
+    monkeypatch.setenv("SLURM_CONNECTOR_SECRET", "slurm")  # as deploy/connector.yaml sets it
+    with pytest.raises(LaunchInputError, match=r"the Slurm connector has no SSH key at .*/slurm/ssh_key: the "
+                       r"Secret 'slurm' in its namespace is missing.*deploy/create-secrets.sh"):
+        ssh_target("hpc-login")
+    (tmp_path / "slurm").mkdir()
+    (tmp_path / "slurm" / "ssh_key").write_text("-----BEGIN OPENSSH PRIVATE KEY-----\n")
+    assert ssh_target("hpc-login").key_file == str(tmp_path / "slurm" / "ssh_key")
+
+
 def test_only_object_store_settings_are_forwarded_to_the_job():
     environ = {"AWS_SECRET_ACCESS_KEY": "k", "FLYTE_AWS_ENDPOINT": "http://s3", "HOME": "/root",
                "WANDB_API_KEY": "w", "MY_AWS_THING": "x"}

@@ -24,7 +24,10 @@ from traincore.run.steps import accumulation
 
 ELASTIC = {**TINY, "train": {"global_batch": 16}, "telemetry": {"log_every": 1},
            "checkpoint": {"every": 10}}
-STEPS = 120
+STEPS = 80
+# A re-formed world waits 2 s for more nodes instead of c10d's 30 s. The heartbeats keep their defaults:
+# shorter ones let a stalled agent count as lost, and a returning node then formed a world of its own.
+RDZV_CONF = "last_call_timeout=2"
 
 
 @pytest.mark.parametrize(("text", "nodes"), [("2", (2, 2)), ("1:2", (1, 2)), (" 2:4 ", (2, 4)), (3, (3, 3))])
@@ -114,7 +117,7 @@ def _agent(data: Path, output: Path, port: int, log: Path) -> subprocess.Popen:
     """One torchrun agent of a 1:2 node range on loopback, as docs/elastic.md starts one."""
     command = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1:2", "--nproc-per-node", "1",
                "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", "elastic-test",
-               "--max-restarts", "3", "--rdzv-conf", "last_call_timeout=2", "-m", "traincore.train",
+               "--max-restarts", "3", "--rdzv-conf", RDZV_CONF, "-m", "traincore.train",
                "--data", str(data), "--output", str(output), "--preset", "debug", "--max-steps", str(STEPS),
                "--config", json.dumps(ELASTIC)]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
@@ -199,14 +202,18 @@ def test_a_node_lost_and_one_returned_train_the_samples_of_an_undisturbed_run(da
     assert [r["sample_digest"] for r in rows] == [r["sample_digest"] for r in undisturbed]
     logs = "".join((tmp_path / name).read_text() for name in ("first.log", "returned.log"))
     assert [logs.count(f"membership: world size {change},") for change in ("2 -> 1", "1 -> 2")] == [1, 1]
-    # Not bitwise: a rank that accumulates two batches adds their gradients in another order than an
-    # all-reduce of two ranks does, so float rounding may differ from the first change on; BatchNorm's
-    # running statistics follow rank 0's batches, which are all of them on one rank; and its batch count
+    # Not bitwise in general: a rank that accumulates two batches adds their gradients in another order
+    # than an all-reduce of two ranks does, so rounding may differ from the first change on (1e-4 allows
+    # for it; this model's parameters have come out equal). BatchNorm's running statistics follow rank 0's
+    # batches, which are all of the step's on one rank (measured: up to 3e-3 apart), and its batch count
     # counts the batches accumulated.
     ours, theirs = final_weights(output), final_weights(reference)
     assert ours.keys() == theirs.keys()
-    floats = [name for name in ours if ours[name].is_floating_point()]
-    assert {name.rsplit(".", 1)[1] for name in set(ours) - set(floats)} == {"num_batches_tracked"}
-    assert max((ours[name] - theirs[name]).abs().max().item() for name in floats) < 1e-3
+    stats = [name for name in ours if name.rsplit(".", 1)[1] in ("running_mean", "running_var")]
+    params = [name for name in ours if ours[name].is_floating_point() and name not in stats]
+    counts = set(ours) - set(stats) - set(params)
+    assert {name.rsplit(".", 1)[1] for name in counts} == {"num_batches_tracked"}
+    assert max((ours[name] - theirs[name]).abs().max().item() for name in params) < 1e-4
+    assert max((ours[name] - theirs[name]).abs().max().item() for name in stats) < 2e-2
     accuracy = [_rows(run, "eval")[-1]["accuracy"] for run in (output, reference)]
     assert abs(accuracy[0] - accuracy[1]) <= 0.005

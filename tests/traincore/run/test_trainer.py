@@ -55,22 +55,20 @@ def test_gc_paused_freezes_what_exists_and_restores_the_collector():
 
 
 # What people tune, each resumed exactly: a one-cycle schedule, an average of the weights (exported in place
-# of the live ones), the normalisation of pretrained weights, a head at 5x the rate and a frozen stem.
+# of the live ones), the normalisation of pretrained weights, a head at 5x the rate and a frozen stem. And W&B
+# with its entity, run name and tags: its run starts inside the loop (at the first record, or where a resume
+# starts), so its start must leave the training bitwise as it was; each attempt logs to an offline run of its
+# own (that the name, tags and entity reach W&B, test_sinks.py checks). The other schedules resume as every
+# LambdaLR schedule does, by its step count (test_schedule.py).
 KNOBS = {**TINY, "optim": {**TINY["optim"], "schedule": "onecycle", "ema_decay": 0.9,
                            "param_groups": [{"pattern": "head.*", "lr_mult": 5},
                                             {"pattern": "features.0.*", "freeze": True}]},
-         "data": {"mean": [0.4, 0.45, 0.5], "std": [0.25, 0.2, 0.3]}}
-# A W&B run starts inside the loop (at the first record, or where a resume starts), so its start must leave
-# the training bitwise as it was; each attempt logs to an offline run of its own (that the name, tags and
-# entity reach W&B, test_sinks.py checks). The constant schedule resumes as every LambdaLR schedule does (its
-# step count): test_schedule.py checks its values.
-LINEAR = {**TINY, "optim": {**TINY["optim"], "schedule": "linear", "min_lr_ratio": 0.1},
-          "telemetry": {**TINY["telemetry"], "wandb_mode": "offline", "wandb_entity": "vision-team",
-                        "wandb_run_name": "lr-sweep-7", "wandb_tags": ["digits", "resumed"]}}
+         "data": {"mean": [0.4, 0.45, 0.5], "std": [0.25, 0.2, 0.3]},
+         "telemetry": {**TINY["telemetry"], "wandb_mode": "offline", "wandb_entity": "vision-team",
+                       "wandb_run_name": "lr-sweep-7", "wandb_tags": ["digits", "resumed"]}}
 
 
-@pytest.mark.parametrize("config", [TINY, KNOBS, LINEAR], ids=[
-    "defaults", "tuned knobs", "linear schedule, W&B offline with entity, name, tags"])
+@pytest.mark.parametrize("config", [TINY, KNOBS], ids=["defaults", "tuned knobs, W&B offline"])
 def test_killed_run_resumes_to_bitwise_identical_weights(data_dir, forked_train, tmp_path, monkeypatch,
                                                          config):
     for name in ("WANDB_CONFIG_DIR", "WANDB_CACHE_DIR", "WANDB_DATA_DIR"):  # W&B's files stay in tmp_path
@@ -89,13 +87,7 @@ def test_killed_run_resumes_to_bitwise_identical_weights(data_dir, forked_train,
         assert all(torch.equal(actual[name], state["ema"][name]) for name in actual)
         assert not all(torch.equal(state["model"][name], state["ema"][name]) for name in actual)
         assert state["run"]["mean"] == KNOBS["data"]["mean"]  # and the normalisation the run used
-    rows = [json.loads(line) for line in (killed / "metrics.jsonl").read_text().splitlines()]
-    lrs = [row["lr"] for row in rows if row["kind"] == "train"]  # steps 2, 4, ..., 40, each once
-    if config is LINEAR:  # equal falls from the peak after warmup to lr x min_lr_ratio: not cosine's curve
-        falls = [high - low for high, low in zip(lrs[:-1], lrs[1:], strict=True)]
-        assert len(lrs) == 20 and lrs[-1] == pytest.approx(3e-4)
-        assert falls == pytest.approx([falls[0]] * len(falls)) and falls[0] > 0
-        # and W&B was on: one offline run per attempt
+    if config is KNOBS:  # W&B was on: one offline run per attempt
         assert len(list((ref / "wandb").glob("offline-run-*"))) == 1
         assert len(list((killed / "wandb").glob("offline-run-*"))) == 2
 

@@ -13,7 +13,13 @@ from s3_server import tensorboard_steps  # noqa: I001  (tests/s3_server.py)
 from traincore.checkpoint import Store
 from traincore.config.presets import debug
 from traincore.run.trainer import Trainer
-from traincore.telemetry.records import TAIL_BYTES, RecordsSync, attempt_records, next_attempt
+from traincore.telemetry.records import (
+    TAIL_BYTES,
+    RecordsSync,
+    attempt_records,
+    continue_records,
+    next_attempt,
+)
 
 
 def fresh_root(s3) -> Store:
@@ -72,3 +78,18 @@ def _no_aws_profile(monkeypatch):
     """The store's settings come from the test, never from a developer's ~/.aws."""
     monkeypatch.setenv("AWS_CONFIG_FILE", os.devnull)
     monkeypatch.setenv("AWS_SHARED_CREDENTIALS_FILE", os.devnull)
+
+
+def test_a_main_rank_on_a_node_without_the_attempts_metrics_continues_its_durable_copy(tmp_path):
+    """An elastic run re-formed with its main rank on another node: that node starts from the attempt's
+    records in the root, so they go on instead of being replaced; a node that has its own keeps it."""
+    target = attempt_records(Store(str(tmp_path / "root")), 0)
+    here = tmp_path / "node" / "run" / "metrics.jsonl"
+    continue_records(target, here)  # nothing durable yet: nothing to continue
+    assert not here.exists()
+    target.write_bytes("metrics.jsonl", b'{"step": 20, "kind": "train"}\n')
+    continue_records(target, here)
+    assert here.read_bytes() == b'{"step": 20, "kind": "train"}\n'
+    here.write_bytes(b'{"step": 30, "kind": "train"}\n')
+    continue_records(target, here)
+    assert here.read_bytes() == b'{"step": 30, "kind": "train"}\n'
