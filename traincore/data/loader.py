@@ -253,20 +253,24 @@ class StagedLoader:
 
     def host_batches(self) -> Iterator[Batch]:
         """uint8 batches on the host for the rest of the epoch, advancing the position as each is taken."""
-        return ((images, labels) for images, labels, _ in self._keyed_batches())
+        return ((images, labels) for images, labels, _, _ in self._keyed_batches())
 
-    def _keyed_batches(self) -> Iterator[tuple[torch.Tensor, torch.Tensor, tuple[int, ...]]]:
+    def _keyed_batches(self) -> Iterator[tuple[torch.Tensor, torch.Tensor, tuple[int, ...], int]]:
         """:meth:`host_batches` with each batch's place in the run, (seed, rank, epoch, position): what
-        seeds its augmentation."""
+        seeds its augmentation; and the digest of its samples, added by :meth:`_taken` when the batch
+        reaches the caller (a prefetcher holds one back)."""
         self._handed.clear()  # blocks read ahead for an iteration that was left
         source = (iter(self._dataloader) if self._dataloader is not None else
                   self.split.stream(self.index_batches(), self._pin))
         for images, labels in source:
-            self.digest = (self.digest + sample_digest(self._handed.popleft())) % DIGEST_MODULUS
+            digest = sample_digest(self._handed.popleft())
             key = (self.seed, self.rank, self.epoch, self.consumed)
             self.consumed = min(self.consumed + self.global_batch_size, len(self.split))
-            yield images, labels, key
+            yield images, labels, key, digest
         self.epoch, self.consumed = self.epoch + 1, 0
+
+    def _taken(self, digest: int) -> None:
+        self.digest = (self.digest + digest) % DIGEST_MODULUS
 
     def prepare(self, images: torch.Tensor, key: tuple[int, ...]) -> torch.Tensor:
         """A uint8 batch already on the device, augmented (when configured) and normalised."""
@@ -276,9 +280,13 @@ class StagedLoader:
 
     def __iter__(self) -> Iterator[Batch]:
         if self.device.type == "cuda" and self.cfg.device_prefetch:
-            return _CudaPrefetcher(self._keyed_batches(), self.device, self.prepare)
-        return ((self.prepare(x.to(self.device), key), y.to(self.device))
-                for x, y, key in self._keyed_batches())
+            return _CudaPrefetcher(self._keyed_batches(), self.device, self.prepare, self._taken)
+        return self._device_batches()
+
+    def _device_batches(self) -> Iterator[Batch]:
+        for images, labels, key, digest in self._keyed_batches():
+            self._taken(digest)
+            yield self.prepare(images.to(self.device), key), labels.to(self.device)
 
     def __len__(self) -> int:
         return self.steps_per_epoch
@@ -306,15 +314,17 @@ class _CudaPrefetcher:
     """Copies batch k+1 host->device on a side stream and prepares it there (augmentation, normalisation)
     while batch k trains."""
 
-    def __init__(self, batches: Iterator, device: torch.device, prepare: Callable):
-        self.batches, self.device, self.prepare = batches, device, prepare
+    def __init__(self, batches: Iterator, device: torch.device, prepare: Callable,
+                 taken: Callable[[int], None]):
+        self.batches, self.device, self.prepare, self.taken = batches, device, prepare, taken
         self.stream = torch.cuda.Stream(device)
         self._next: Batch | None = None
+        self._digest = 0
         self._preload()
 
     def _preload(self) -> None:
         try:
-            images, labels, key = next(self.batches)
+            images, labels, key, self._digest = next(self.batches)
         except StopIteration:
             self._next = None
             return
@@ -334,6 +344,7 @@ class _CudaPrefetcher:
         # The tensors were made on the side stream; tell the allocator the main stream uses them now.
         images.record_stream(current)
         labels.record_stream(current)
+        self.taken(self._digest)  # its samples reach the caller now, not when they were read ahead
         self._preload()
         return images, labels
 

@@ -26,6 +26,7 @@ from traincore.data.loader import (
     eval_batches,
     global_order,
     rank_batches,
+    sample_digest,
 )
 
 CFG = LoaderConfig(batch_size=8)
@@ -34,6 +35,19 @@ CFG = LoaderConfig(batch_size=8)
 @pytest.fixture(scope="module")
 def train(synthetic_dir) -> StagedSplit:
     return StagedSplit(synthetic_dir, "train")
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_the_digest_counts_the_batches_handed_out_not_those_read_ahead(train, workers):
+    """DataLoader workers read batches ahead; the digest covers only the three the caller took."""
+    loader = StagedLoader(train, LoaderConfig(batch_size=8, num_workers=workers), rank=1, world_size=2,
+                          seed=5)
+    batches = iter(loader)
+    for _ in range(3):
+        next(batches)
+    blocks = list(rank_batches(global_order(len(train), 5, 0, True), 0, 8, 1, 2, drop_last=True))[:3]
+    assert loader.take_digest() == sum(map(sample_digest, blocks)) % 2**62
+    assert loader.take_digest() == 0  # taken: the next interval starts from nothing
 
 
 def index_of(split: StagedSplit) -> dict[bytes, int]:
