@@ -69,7 +69,8 @@ class S3Server:
         return [obj["Key"] for page in pages for obj in page.get("Contents", [])]
 
 
-def _free_port() -> int:
+def free_port() -> int:
+    """A free 127.0.0.1 port (bound once to get a number, then closed)."""
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
         return probe.getsockname()[1]
@@ -97,7 +98,7 @@ def local_s3(directory: Path, host: str = "127.0.0.1") -> Iterator[S3Server]:
         import moto.server  # noqa: F401
     except ImportError as exc:
         raise S3ServerError(f"cannot import {exc.name} (pip install 'moto[server]')") from exc
-    port, log = _free_port(), directory / "moto.log"
+    port, log = free_port(), directory / "moto.log"
     endpoint = f"http://{host}:{port}"
     with log.open("wb") as sink:
         process = subprocess.Popen([sys.executable, "-m", "moto.server", "-H", host, "-p", str(port)],

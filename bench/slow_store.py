@@ -33,6 +33,9 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from xml.sax.saxutils import escape
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a script from a source checkout
+from bench.s3_server import free_port  # noqa: E402
+
 BUCKET = "slow-store"
 CHUNK = 64 << 10  # bytes sent between two checks of the connection's bandwidth cap
 START_TIMEOUT_S = 30
@@ -183,17 +186,11 @@ class Server(ThreadingHTTPServer):
         self.connection_bytes_s = connection_mb_s * 1e6
 
 
-def _free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
-
-
 @contextlib.contextmanager
 def slow_store(directory: Path, latency_s: float = 0.03, connection_mb_s: float = 100.0
                ) -> Iterator[SlowStore]:
     """Serve ``directory`` as the bucket from a process of its own (so its work is not the caller's)."""
-    port = _free_port()
+    port = free_port()
     command = [sys.executable, __file__, "--dir", str(directory), "--port", str(port), "--latency-ms",
                str(latency_s * 1000), "--connection-mb-s", str(connection_mb_s)]
     process = subprocess.Popen(command, start_new_session=True)

@@ -132,7 +132,7 @@ def parse_nodes(nnodes: str) -> tuple[int, int]:
         raise LaunchInputError(f"input {exc}") from exc
 
 
-def check_node_range(cfg: Config, topology: Topology) -> Config:
+def check_range_input(cfg: Config, topology: Topology) -> Config:
     """A range of nodes only where nodes can come and go (Kubernetes pods), with restarts to re-form the
     run after a loss, and a global batch every node count of the range splits into whole batches (fixed at
     the largest world when config_overrides leave train.global_batch unset: traincore.run.elastic_config)."""
@@ -329,7 +329,7 @@ def plan_run(source: str, preset: str, config_overrides: str, epochs: int, max_s
                         max_restarts=max_restarts, rdzv_timeout_s=cfg.dist.init_timeout_s, slurm=slurm,
                         store_secret=store_secret, resources=requests["train"])
     local_run = FlyteContextManager.current_context().execution_state.is_local_execution()
-    cfg = check_node_range(cfg, topology)
+    cfg = check_range_input(cfg, topology)
     check_topology(topology, local_run)
     check_capacity(capacity, backend)
     check_stage_partitions(stage_partitions)

@@ -11,7 +11,7 @@ from tasks.plan import (
     LaunchInputError,
     check_backend,
     check_checkpoint_uri,
-    check_node_range,
+    check_range_input,
     check_source,
     check_topology,
     launch_config,
@@ -214,11 +214,11 @@ def test_a_range_on_kubernetes_keeps_the_global_batch_of_its_largest_world():
     topology = Topology(backend="kubernetes", nnodes=4, min_nnodes=2, nproc_per_node=2, max_restarts=1)
     cfg = preset("digits").with_overrides({"loader.batch_size": 16, "train.global_batch": 384})
     assert (topology.elastic, topology.nodes) == (True, "2:4")
-    assert check_node_range(cfg, topology) is cfg  # 384 = 16 x 2 x 12 splits at 2, 3 and 4 nodes
+    assert check_range_input(cfg, topology) is cfg  # 384 = 16 x 2 x 12 splits at 2, 3 and 4 nodes
     pair = Topology(backend="kubernetes", nnodes=2, min_nnodes=1, nproc_per_node=2, max_restarts=1)
-    assert check_node_range(preset("digits"), pair).train.global_batch == 32 * 2 * 2
+    assert check_range_input(preset("digits"), pair).train.global_batch == 32 * 2 * 2
     fixed = Topology(backend="kubernetes", nnodes=4, nproc_per_node=2)
-    assert (fixed.elastic, fixed.nodes, check_node_range(cfg, fixed)) == (False, "4", cfg)
+    assert (fixed.elastic, fixed.nodes, check_range_input(cfg, fixed)) == (False, "4", cfg)
 
 
 def test_slurm_inputs_are_checked_as_given_without_contacting_the_cluster():

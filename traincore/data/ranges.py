@@ -62,14 +62,14 @@ class RangeReader:
         raise failed
 
     def _sign(self, renew: bool = False, names: list[str] | None = None) -> dict[str, str]:
-        """The presigned URL of every name asked for (all of them renewed when ``renew`` or old)."""
+        """The presigned URL of each name asked for (every URL renewed when ``renew`` or old)."""
         with self._lock:
             if renew or time.monotonic() - self._signed_at > PRESIGN_S / 2:
                 self._urls, self._signed_at = {}, time.monotonic()
             for name in names or []:
                 if name not in self._urls:
                     self._urls[name] = self.store.fs.url(self.store.uri_of(name), expires=PRESIGN_S)
-            return dict(self._urls)
+            return {name: self._urls[name] for name in names or []}
 
     def close(self) -> None:
         """Forget the URLs (they hold signatures)."""

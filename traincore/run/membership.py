@@ -5,9 +5,8 @@ go on with fewer nodes when one is lost and take one back when it returns. The r
 across such changes: :func:`elastic_config` fixes ``train.global_batch`` at the largest world, and
 :func:`check_node_range` refuses a range where some node count cannot split it into whole batches.
 
-Membership changes: the world it resumes at is not the one its checkpoint was saved at.
-
-torch elastic re-forms the workers when a node is lost (the survivors, at no fewer than the range's
+A membership change: the world a run resumes at is not the one its checkpoint was saved at. torch elastic
+re-forms the workers when a node is lost (the survivors, at no fewer than the range's
 minimum) or when one arrives (at the next restart of the workers); each time, every worker starts afresh
 and resumes from the last committed checkpoint, which reshards to the new world (traincore.checkpoint), and
 the loader's position, being world-size independent, continues the same sample order. What changes is how
@@ -37,8 +36,8 @@ class Membership:
         self.changes, self.steps_redone, self.seconds_lost = 0, 0, 0.0
 
     def state_dict(self) -> dict[str, float]:
-        return {"world_size": self.world_size, "global_batch": self.global_batch, "changes": self.changes,
-                "steps_redone": self.steps_redone, "seconds_lost": self.seconds_lost}
+        return {"world_size": self.world_size, "changes": self.changes, "steps_redone": self.steps_redone,
+                "seconds_lost": self.seconds_lost}
 
     def load_state_dict(self, state: dict[str, float]) -> None:
         self.saved_world_size = int(state["world_size"])
