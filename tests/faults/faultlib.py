@@ -157,41 +157,6 @@ def flyte_output(task, attempt_dir: Path):
     return values["o0"]
 
 
-FORK_EXEC_WINDOW_S = 2.0
-"""A ``subprocess`` child shares its parent's command line only between its fork and its exec (milliseconds),
-with the one thread a fork gives it. A child that kept the command line longer than this, or has started
-threads of its own (a worker's process group does at once), is a forked worker."""
-
-
-def spawned_workers(pid: int) -> list[int]:
-    """torch-elastic's workers directly below ``pid``: spawned (``spawn_main`` in their command line) or
-    forked (``pid``'s own command line, and past their fork: see FORK_EXEC_WINDOW_S); its resource tracker,
-    the workers' own children and any ``subprocess`` child on its way to an exec are left out."""
-    try:
-        own = Path(f"/proc/{pid}/cmdline").read_bytes()
-    except OSError:
-        return []
-    workers = []
-    for proc in Path("/proc").glob("[0-9]*"):
-        try:
-            stat = (proc / "stat").read_text().rsplit(")", 1)[1].split()
-            command = (proc / "cmdline").read_bytes()
-        except (OSError, IndexError, ValueError):
-            continue
-        if int(stat[1]) != pid:
-            continue
-        forked = command == own and (int(stat[17]) > 1 or _age_s(int(stat[19])) >= FORK_EXEC_WINDOW_S)
-        if b"spawn_main" in command or forked:
-            workers.append(int(proc.name))
-    return sorted(workers)
-
-
-def _age_s(start_ticks: int) -> float:
-    """Seconds since a process started, from its start time in clock ticks since boot (/proc/PID/stat)."""
-    uptime = float(Path("/proc/uptime").read_text().split()[0])
-    return uptime - start_ticks / os.sysconf("SC_CLK_TCK")
-
-
 def signal_pending(pid: int, sig: int) -> bool:
     """Whether ``sig`` waits to be delivered to ``pid`` (e.g. sent to a stopped process)."""
     try:

@@ -27,10 +27,10 @@ from faultlib import (
     kill_tree,
     metric_rows,
     signal_pending,
-    spawned_workers,
     wait_for,
     write_flyte_inputs,
 )
+from workers import elastic_workers
 
 from tasks.launch import train_task_for
 from tasks.types import StagedDataset, Topology
@@ -75,7 +75,7 @@ def bad_config(job):
 
     def watch() -> None:
         while process.poll() is None:
-            seen.update(spawned_workers(process.pid))
+            seen.update(elastic_workers(process.pid))
             time.sleep(0.02)
 
     watcher = threading.Thread(target=watch, daemon=True)
@@ -128,7 +128,7 @@ def test_rendezvous_failure_and_lost_worker_are_retried_and_the_last_attempt_res
     try:
         wait_for(lambda: complete_steps(root) or process.poll() is not None, 240,
                  "attempt 1's first checkpoint")
-        workers = spawned_workers(process.pid)
+        workers = elastic_workers(process.pid)
         assert len(workers) == 2 and process.poll() is None, (workers, logs(second))
         frozen, victim = workers
         os.kill(frozen, signal.SIGSTOP)

@@ -14,6 +14,7 @@ the shorter of the two also waits for the uninterrupted run when no other test h
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import random
@@ -31,13 +32,14 @@ from faultlib import (
     child_processes,
     kill_after_checkpoints,
     kill_tree,
-    spawned_workers,
     torchrun,
     train_args,
 )
+from workers import elastic_workers
 
 from traincore.checkpoint import step_dir
 from traincore.checkpoint.format import read_checkpoint
+from traincore.run import WORKER_NAME
 
 MAX_STEPS, EVERY, FAULTS = 100, 10, 3
 RUN_ARGS = ("--max-steps", str(MAX_STEPS), "--checkpoint-every", str(EVERY))
@@ -131,7 +133,7 @@ def test_flyte_task_survives_a_worker_killed_three_times(fault_data, reference, 
     script.write_text(FLYTE_CHILD)
     argv = train_args(fault_data, tmp_path / "unused", *RUN_ARGS)  # the task writes its own output directory
     command = [sys.executable, str(script), json.dumps(argv), str(root), str(result), str(FAULTS)]
-    code, faults = faulted_run(command, log, spawned_workers, cwd=tmp_path)
+    code, faults = faulted_run(command, log, elastic_workers, cwd=tmp_path)
     check_recovery("Flyte", code, log, faults, root, reference)
     summary = json.loads(result.read_text())
     assert (summary["steps"], summary["world_size"]) == (MAX_STEPS, 2)
@@ -141,5 +143,16 @@ def test_flyte_task_survives_a_worker_killed_three_times(fault_data, reference, 
 def test_cli_run_survives_a_worker_killed_three_times(fault_data, reference, tmp_path):
     output, log = tmp_path / "run", tmp_path / "torchrun.log"
     command = torchrun(2, "traincore.train", *train_args(fault_data, output, *RUN_ARGS), max_restarts=FAULTS)
-    code, faults = faulted_run(command, log, lambda pid: child_processes(pid, b"traincore.train"))
+    code, faults = faulted_run(command, log, lambda pid: named(child_processes(pid, b"traincore.train")))
     check_recovery("CLI", code, log, faults, output / "checkpoints", reference)
+
+
+def named(workers: list[int]) -> list[int]:
+    """``workers``, each checked to have named itself for `ps` and `top` (a worker of torchrun names itself
+    when it starts; this attempt has logged steps, so each of its workers has)."""
+    names = {}
+    for pid in workers:
+        with contextlib.suppress(OSError):  # it ended since it was listed
+            names[pid] = Path(f"/proc/{pid}/comm").read_text().strip()
+    assert all(name.startswith(WORKER_NAME) for name in names.values()), names
+    return workers

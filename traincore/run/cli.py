@@ -32,7 +32,13 @@ from traincore.checkpoint import CheckpointError, as_store, complete_steps
 from traincore.config import PARALLELISMS, PRESETS, Config, ConfigError, build_config
 from traincore.data import Manifest, StagingError
 from traincore.exitcodes import PREEMPTED_EXIT_CODE
-from traincore.run.launch import launch_local, refuse_under_torchrun, start_method, worker_threads
+from traincore.run.launch import (
+    launch_local,
+    name_worker,
+    refuse_under_torchrun,
+    start_method,
+    worker_threads,
+)
 from traincore.run.preemption import Preempted, read_record
 from traincore.run.preflight import preflight
 from traincore.run.trainer import Trainer
@@ -214,6 +220,8 @@ def main(argv: list[str] | None = None) -> int:
     worker of ``--nproc-per-node`` is reported as torchrun reports it, with its exit code."""
     args = parse_args(argv)
     started_at = process_start_time()
+    if "LOCAL_RANK" in os.environ:  # a worker of torchrun: told apart from the others in `ps` and `top`
+        name_worker()
     try:
         check_launch_flags(args)
         cfg = config_from_args(args)

@@ -14,6 +14,7 @@ import os
 import signal
 import uuid
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -56,8 +57,16 @@ def worker_threads(nproc_per_node: int) -> int:
                           "the threads each worker may use, e.g. 1, or unset it") from exc
 
 
+WORKER_NAME = "traincore-r"
+"""A worker's process name (``ps``, ``top``, /proc/PID/comm) begins with this, its global rank after it: in a
+listing of a node's processes the ranks are told apart from their launcher and from one another, and a
+watcher can tell a worker from any other child of the launcher (a forked worker keeps its launcher's command
+line)."""
+
+
 def settle_worker(threads: int) -> None:
-    """Give a worker what a fresh interpreter has where a fork gave it its launcher's (harmless if spawned).
+    """Give a worker what a fresh interpreter has where a fork gave it its launcher's (harmless if spawned),
+    and its name (:data:`WORKER_NAME`).
 
     Signals: the elastic agent handles SIGTERM, SIGINT, SIGHUP and SIGQUIT by raising an exception in
     Python. A forked worker blocked in a collective (its peer died) would then ignore the agent's SIGTERM
@@ -69,6 +78,17 @@ def settle_worker(threads: int) -> None:
         signal.signal(signum, signal.SIG_DFL)
     signal.signal(signal.SIGINT, signal.default_int_handler)
     torch.set_num_threads(threads)
+    name_worker()
+
+
+def name_worker() -> None:
+    """Name this worker ``traincore-r<RANK>`` as ``ps`` and ``top`` show it (Linux keeps 15 bytes; elsewhere,
+    and where /proc is read-only, the name stays as it was). Only the calling thread's name changes: called
+    from the main thread, that is the process's."""
+    try:
+        Path("/proc/self/comm").write_text(f"{WORKER_NAME}{os.environ.get('RANK', '')}"[:15])
+    except OSError:
+        pass
 
 
 def _run(entrypoint: Callable[..., Any], threads: int, *args: Any) -> Any:

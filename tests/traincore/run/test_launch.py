@@ -11,10 +11,11 @@ import time
 from pathlib import Path
 
 import pytest
+from workers import elastic_workers
 
 from traincore.checkpoint import complete_steps
 from traincore.run.cli import main
-from traincore.run.launch import start_method
+from traincore.run.launch import WORKER_NAME, start_method
 
 TINY = {"model": {"name": "small_cnn", "width": 8}, "loader": {"batch_size": 16},
         "telemetry": {"log_every": 2, "tensorboard": False, "progress": "off"}}
@@ -91,19 +92,6 @@ def test_a_worker_error_reaches_the_user_with_a_non_zero_exit(digits_dir, tmp_pa
     assert "trained" not in done.stdout
 
 
-def forked_workers(pid: int) -> list[int]:
-    """The processes forked directly below ``pid`` (a forked worker keeps its parent's command line)."""
-    own, workers = Path(f"/proc/{pid}/cmdline").read_bytes(), []
-    for proc in Path("/proc").glob("[0-9]*"):
-        try:
-            parent = int((proc / "stat").read_text().rsplit(")", 1)[1].split()[1])
-            if parent == pid and (proc / "cmdline").read_bytes() == own:
-                workers.append(int(proc.name))
-        except (OSError, IndexError, ValueError):
-            continue
-    return workers
-
-
 def test_a_killed_worker_is_restarted_and_the_run_resumes(digits_dir, tmp_path):
     output = tmp_path / "run"
     command = [sys.executable, "-m", "traincore.train", "--data", str(digits_dir), "--output", str(output),
@@ -114,8 +102,12 @@ def test_a_killed_worker_is_restarted_and_the_run_resumes(digits_dir, tmp_path):
     deadline = time.monotonic() + 120
     while not complete_steps(output / "checkpoints") and time.monotonic() < deadline and proc.poll() is None:
         time.sleep(0.05)
-    workers = forked_workers(proc.pid)
+    workers = elastic_workers(proc.pid)
     assert len(workers) == 2 and proc.poll() is None, workers
+    # Each worker names itself with its rank, as `ps` and `top` show it; the launcher keeps its own name.
+    names = sorted(Path(f"/proc/{pid}/comm").read_text().strip() for pid in workers)
+    assert names == ["traincore-r0", "traincore-r1"], names
+    assert not Path(f"/proc/{proc.pid}/comm").read_text().startswith("traincore-r")
     os.kill(workers[-1], signal.SIGKILL)
     stdout, stderr = proc.communicate(timeout=240)
     assert proc.returncode == 0, stderr[-3000:]
@@ -171,3 +163,40 @@ def test_nproc_per_node_is_refused_under_torchrun(digits_dir, tmp_path):
     assert ("error: --nproc-per-node launches workers itself, but this process is already a worker of "
             "torchrun (LOCAL_RANK=0)") in done.stderr, done.stderr[-3000:]
     assert not (tmp_path / "run").exists()
+
+
+def test_only_processes_named_as_workers_count_as_workers_however_long_they_live():
+    """A child forked by the launcher that is not a worker (a ``subprocess`` held between its fork and its
+    exec on a busy machine) keeps the launcher's command line as long as it likes and is never a worker; a
+    child that named itself as a worker is one, and its own children (which inherit the name) are not."""
+
+    def child(name: str | None, grandchild: bool = False) -> int:
+        pid = os.fork()
+        if pid == 0:
+            if name:
+                Path("/proc/self/comm").write_text(name)
+            if grandchild and os.fork() == 0:
+                time.sleep(30)
+                os._exit(0)
+            time.sleep(30)
+            os._exit(0)
+        return pid
+
+    unnamed, worker = child(None), child(f"{WORKER_NAME}7", grandchild=True)
+    try:
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline and len(descendants(worker)) < 1:
+            time.sleep(0.01)
+        assert descendants(worker), "the worker's own child did not start"
+        found = elastic_workers(os.getpid())
+        assert worker in found and unnamed not in found and not set(descendants(worker)) & set(found), found
+    finally:
+        for pid in (*descendants(worker), unnamed, worker):
+            os.kill(pid, signal.SIGKILL)
+        for pid in (unnamed, worker):
+            os.waitpid(pid, 0)
+
+
+def descendants(pid: int) -> list[int]:
+    """The direct children of ``pid``."""
+    return [int(task) for task in Path(f"/proc/{pid}/task/{pid}/children").read_text().split()]
