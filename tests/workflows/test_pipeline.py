@@ -60,9 +60,6 @@ def test_rerun_hits_the_staging_cache(first_run, monkeypatch, tmp_path):
     assert dataset.directory.path == first_run[2].directory.path
 
 
-# 40-55 s beside the suite: for its 20 minutes, `make test` keeps the sharded pipeline on two Slurm nodes
-# (tests/slurm/test_slurm_backend.py) and sharded runs that resume bitwise (tests/traincore/run/test_fsdp.py).
-@pytest.mark.long
 def test_the_digits_pipeline_with_a_sharded_model_reaches_its_accuracy(tmp_path):
     """The default run (`pyflyte run workflows/pipeline.py training_pipeline --parallelism fsdp`): the
     digits preset on two processes holding half the model each, to the test accuracy it promises."""

@@ -267,7 +267,9 @@ class LoaderConfig:
     """Node-local disk, in bytes, each process may use to cache a dataset streamed from an object store
     (data.stream); 0 = the node's cache shared by its processes: on a Flyte train node its ephemeral-storage
     request less 2 GiB (the ``resources`` input; 10 GiB by default), elsewhere 8 GiB at most half the free
-    space where the cache is. It must hold the batches in flight: 5 x batch_size samples."""
+    space where the cache is. It must hold the batches in flight and an evaluation batch: 5 x batch_size +
+    eval_batch_size samples; room for 17 x batch_size lets a stream that waits on the store fetch up to 16
+    batches ahead."""
 
     def __post_init__(self) -> None:
         _check_types(self, "loader")

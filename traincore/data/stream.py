@@ -5,8 +5,9 @@ The order is the loader's (data.loader): one global permutation per epoch, the s
 so a streamed run resumes and reshards exactly as a run from local disk does and trains on the same
 batches. Samples are fixed-size uint8 records, so a batch is a set of byte ranges: its samples are sorted
 by place, neighbours merge into one ranged GET, and all of a batch's ranges go out together
-(data.ranges: concurrent requests on fsspec's event loop, presigned plain HTTP on S3). ``window`` batches
-are in flight while one trains, which hides the store's per-request latency.
+(data.ranges: concurrent requests on fsspec's event loop, presigned plain HTTP on S3). Batches are in
+flight while one trains, which hides the store's per-request latency: ``WINDOW`` of them to begin with,
+twice as many each time training has to wait for a fetch, up to what the cache and AHEAD_BYTES allow.
 
 The cache is one file of ``cache_bytes // sample_bytes`` sample slots, unlinked as soon as it is opened:
 its disk use can never exceed the limit, and it is freed when the process ends, even by SIGKILL. A sample
@@ -50,7 +51,13 @@ from traincore.data.ranges import RangeReader
 log = logging.getLogger(__name__)
 
 Batch = tuple[torch.Tensor, torch.Tensor]  # images and labels, as every split and loader yields them
-WINDOW = 4  # batches fetched ahead of the one training: 4 x a GET's latency is far below a step's time
+WINDOW = 4  # batches fetched ahead of the one training to begin with, and what the cache must hold
+# The most batches fetched ahead, doubling from WINDOW while training waits on the store. Measured on a store
+# 30 ms away (bench/slow_store.py, 100 MB/s a connection), one process, batches of 64 at 128 px in runs of
+# 16 neighbours: 4 ahead 4,243 samples/s, 8 ahead 5,881, 16 ahead 6,497 (per-sample runs: about 1,200
+# however many, bound by the CPU each request costs).
+MAX_WINDOW = 16
+AHEAD_BYTES = 256 << 20  # and at most this many bytes of batches ahead: their fetched bytes are in memory
 DEFAULT_CACHE_BYTES = 8 << 30  # a node's cache with loader.cache_bytes=0, shared by its processes
 # A node's cache in bytes, set by whoever sized the node's disk (the train task: its ephemeral-storage
 # request, less a margin); it replaces DEFAULT_CACHE_BYTES.
@@ -185,6 +192,8 @@ class StreamedSplit:
     def __init__(self, store: Store, manifest: Manifest, split: str, cache: SampleCache,
                  normalization: tuple[list[float], list[float]] | None = None, window: int = WINDOW):
         self.store, self.manifest, self.split, self.cache, self.window = store, manifest, split, cache, window
+        # Batches fetched ahead now, and the most allowed (check_cache raises it to what the cache holds).
+        self.ahead = self.most_ahead = self._most_uncached = window
         self.mean, self.std = normalization or (manifest.mean, manifest.std)
         if split not in manifest.splits or manifest.splits[split].count == 0:
             raise StagingError(f"split {split!r} of {store} is missing or empty; it has "
@@ -198,7 +207,7 @@ class StreamedSplit:
                                         for s in self.shards])
         self._offsets = np.cumsum([0] + [s.count for s in self.shards])
         self._key = SPLITS.index(split) << 40  # the splits share the cache: their samples' keys stay apart
-        self._pool = ThreadPoolExecutor(max_workers=window, thread_name_prefix="stream")
+        self._pool = ThreadPoolExecutor(max_workers=max(window, MAX_WINDOW), thread_name_prefix="stream")
         self._reader = RangeReader(store)
 
     def __len__(self) -> int:
@@ -212,7 +221,8 @@ class StreamedSplit:
 
     def check_cache(self, cfg: LoaderConfig) -> None:
         """Refuse a cache that cannot hold what may be pinned at once: the training batches in flight
-        (``window`` + the one training) and an evaluation batch."""
+        (``window`` + the one training) and an evaluation batch. Then allow as many batches ahead as the
+        cache holds beside an evaluation batch, up to MAX_WINDOW and AHEAD_BYTES."""
         samples = (self.window + 1) * cfg.batch_size + cfg.eval_batch_size
         need, have = samples * self.manifest.sample_bytes, self.cache.slots * self.manifest.sample_bytes
         if have < need:
@@ -220,6 +230,10 @@ class StreamedSplit:
                               f"{cfg.batch_size} samples a streamed rank keeps in flight and an evaluation "
                               f"batch of {cfg.eval_batch_size} ({need} bytes of {self.manifest.sample_bytes}-"
                               f"byte samples): raise it to at least {need}")
+        held = (self.cache.slots - cfg.eval_batch_size) // cfg.batch_size - 1
+        by_bytes = AHEAD_BYTES // (cfg.batch_size * self.manifest.sample_bytes)
+        self._most_uncached = min(MAX_WINDOW, by_bytes)  # what a larger cache would allow
+        self.most_ahead = max(self.window, min(self._most_uncached, held))
 
     def read(self, indices: np.ndarray, pin_memory: bool = False) -> Batch:
         """Gather samples by global index, fetching those not cached: uint8 NCHW images, int64 labels."""
@@ -233,17 +247,21 @@ class StreamedSplit:
     __getitems__ = read
 
     def stream(self, batches: Iterator[np.ndarray], pin_memory: bool = False) -> Iterator[Batch]:
-        """The batches of index arrays ``batches``, in order, each fetched ``window`` batches ahead."""
+        """The batches of index arrays ``batches``, in order, each fetched ``ahead`` batches ahead; training
+        that has to wait for a batch doubles ``ahead``, up to ``most_ahead``."""
         pending: list[tuple[tuple[np.ndarray, np.ndarray, list[int]], Future]] = []
-        batches = iter(batches)
+        batches, started = iter(batches), False
         try:
             while True:
-                for indices in itertools.islice(batches, self.window + 1 - len(pending)):
+                for indices in itertools.islice(batches, self.ahead + 1 - len(pending)):
                     claimed = self._claim(indices)
                     pending.append((claimed, self._pool.submit(self._fetch, *claimed)))
                 if not pending:
                     return
                 claimed, future = pending.pop(0)
+                if not future.done() and started:  # the first batch of a call has nothing ahead of it
+                    self._waited()
+                started = True
                 try:
                     future.result()
                     yield self._gather(*claimed[:2], pin_memory)
@@ -256,6 +274,17 @@ class StreamedSplit:
                 else:
                     wait([future])  # a failed fetch forgot its own samples
                 self.cache.release(indices + self._key)
+
+    def _waited(self) -> None:
+        """Training waits on a fetch: fetch twice as far ahead, or say once what would let it."""
+        if self.ahead < self.most_ahead:
+            self.ahead = min(2 * self.ahead, self.most_ahead)
+            log.debug("the %s stream waited on the store: now %d batches ahead", self.split, self.ahead)
+        elif self.ahead < self._most_uncached:
+            log.info("the %s stream waits on the store with %d batches ahead, all its cache holds beside an "
+                     "evaluation batch: a larger loader.cache_bytes lets it fetch up to %d ahead", self.split,
+                     self.ahead, self._most_uncached)
+            self._most_uncached = self.ahead  # said once
 
     def _gather(self, indices: np.ndarray, slots: np.ndarray, pin_memory: bool) -> Batch:
         images = torch.empty((len(indices), *self.manifest.shape), dtype=torch.uint8, pin_memory=pin_memory)

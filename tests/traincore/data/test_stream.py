@@ -4,7 +4,10 @@ in a cache that never outgrows its limit, and corruption or loss in the store na
 from __future__ import annotations
 
 import dataclasses
+import logging
 import shutil
+import threading
+import time
 import uuid
 from pathlib import Path
 
@@ -16,7 +19,14 @@ from trainruns import CHECKPOINTED, final_weights
 from traincore.checkpoint import Store
 from traincore.config import DataConfig, LoaderConfig
 from traincore.data import StagedLoader, StagedSplit, StreamedSplit, StreamError, stage
-from traincore.data.stream import NODE_CACHE_ENV, WINDOW, cache_limit, open_streamed, verify_streamed
+from traincore.data.stream import (
+    MAX_WINDOW,
+    NODE_CACHE_ENV,
+    WINDOW,
+    cache_limit,
+    open_streamed,
+    verify_streamed,
+)
 
 DATA = DataConfig(source="synthetic", image_size=16, synthetic_samples=640, synthetic_classes=4,
                   samples_per_shard=64)
@@ -88,18 +98,59 @@ def test_a_block_order_streams_each_run_of_neighbours_in_one_request(remote, tmp
     assert sum(requests[4]) <= 0.45 * sum(requests[1]), requests
 
 
-def test_the_cache_stays_within_its_limit_with_a_dataset_ten_times_larger(remote, tmp_path):
+def slow_reads(stream: StreamedSplit, delay_s: float = 0.02) -> dict[str, int]:
+    """Make each of ``stream``'s fetches take ``delay_s`` more (a store farther away); returns a record of
+    the most fetches in flight at once."""
+    read, lock, seen = stream._reader.read, threading.Lock(), {"now": 0, "most": 0}
+
+    def slow_read(ranges):  # an instance attribute of our own reader, as test_a_block_order... does
+        with lock:
+            seen["now"] += 1
+            seen["most"] = max(seen["most"], seen["now"])
+        try:
+            time.sleep(delay_s)
+            return read(ranges)
+        finally:
+            with lock:
+                seen["now"] -= 1
+
+    stream._reader.read = slow_read
+    return seen
+
+
+def test_a_stream_that_training_waits_on_fetches_further_ahead_and_no_further(staged, remote, tmp_path):
+    stream = streamed(remote, tmp_path)  # 1 MiB: room for far more than MAX_WINDOW batches of 8
+    in_flight = slow_reads(stream)
+    loader, local = StagedLoader(stream, LOADER), StagedLoader(StagedSplit(staged, "train"), LOADER)
+    assert (stream.ahead, stream.most_ahead) == (WINDOW, MAX_WINDOW)
+    for _ in range(8):  # epochs, until waiting on the store has widened the window to its most
+        for (x, y), (lx, ly) in zip(loader.host_batches(), local.host_batches(), strict=True):
+            assert torch.equal(x, lx) and torch.equal(y, ly)  # the same batches, however far ahead
+        if stream.ahead == MAX_WINDOW:
+            break
+    assert stream.ahead == MAX_WINDOW and WINDOW + 1 < in_flight["most"] <= MAX_WINDOW + 1, in_flight
+    stream.close()
+
+
+def test_the_cache_stays_within_its_limit_with_a_dataset_ten_times_larger(remote, tmp_path, caplog):
     sample = 3 * 16 * 16
     limit = ((WINDOW + 1) * LOADER.batch_size + LOADER.eval_batch_size) * sample  # what may be pinned at once
     stream = streamed(remote, tmp_path, cache_bytes=limit)
     dataset = len(stream) * sample
     assert dataset >= 10 * limit, (dataset, limit)
+    slow_reads(stream)  # training waits on every wave of fetches: the window stays what the cache holds
     loader, peak = StagedLoader(stream, LOADER), 0
-    for _ in range(2):  # two epochs: every slot reused many times
-        for _ in loader.host_batches():
-            peak = max(peak, stream.cache.disk_bytes())
+    with caplog.at_level(logging.INFO, logger="traincore.data.stream"):
+        for _ in range(2):  # two epochs: every slot reused many times
+            for _ in loader.host_batches():
+                peak = max(peak, stream.cache.disk_bytes())
     assert 0 < peak <= -(-limit // 4096) * 4096, (peak, limit)  # the file's blocks, never more
     assert not [path for path in (tmp_path / "cache").rglob("*") if path.is_file()]  # unlinked at once
+    assert stream.ahead == stream.most_ahead == WINDOW
+    said = [r.getMessage() for r in caplog.records if "a larger loader.cache_bytes" in r.getMessage()]
+    assert said == [f"the train stream waits on the store with {WINDOW} batches ahead, all its cache holds "
+                    f"beside an evaluation batch: a larger loader.cache_bytes lets it fetch up to "
+                    f"{MAX_WINDOW} ahead"], said  # once
     stream.close()
 
 
