@@ -18,6 +18,10 @@ request after ``--latency-ms`` and sends each connection at most ``--connection-
                        this machine's CPU: the rate the loader has to keep up with here
   time to first step   ``python -m traincore.train --data s3://... --max-steps 1`` on the small and the large
                        dataset, streamed: seconds from the command to its first step (its start-up record)
+  evaluation           the large dataset's val split in order, in batches of 64, as a validation pass and
+                       ``traincore.evaluate`` read it (data.eval_batches): from local disk, streamed (fetched
+                       ahead as training's batches are), and streamed one batch at a time (each batch fetched
+                       when asked for, as evaluation read a streamed split before it fetched ahead)
 
 Every loader row starts with the large dataset's files out of the page cache (``posix_fadvise``
 DONTNEED, which needs no privileges), as a dataset larger than a node's memory is: the local rows read the
@@ -26,8 +30,10 @@ staging, this machine's 23 GiB held the whole 9.8 GB and the local per-sample ro
 
 Ratios: streamed over local loader throughput for each block size (target >= 0.9), streamed throughput
 over the model's consumption (>= 1: the stream is not what a step waits for), time to first step of the
-large dataset over the small one's (target <= 1.2), and the cache's peak disk use over its limit (target
-<= 1.0).
+large dataset over the small one's (target <= 1.2), the cache's peak disk use over its limit (target
+<= 1.0), and what fetching ahead gains a streamed evaluation over reading one batch at a time (> 1). The
+evaluation rows have no local target: a split read in order is one sequential read, which a local disk
+serves with its read-ahead (0.5 GB/s here), and ranged requests to a store do not match.
 """
 
 from __future__ import annotations
@@ -41,6 +47,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from contextlib import closing
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a script from a source checkout
@@ -53,7 +60,9 @@ BLOCKS = (1, 16)  # loader.block_samples of the loader rows: the per-sample orde
 TARGETS = {"streamed over local loader samples/s, block_samples 1": ">= 0.9",
            "streamed over local loader samples/s, block_samples 16": ">= 0.9",
            "streamed loader over model samples/s": ">= 1",
-           "time to first step, large over small": "<= 1.2", "cache peak disk over its limit": "<= 1.0"}
+           "time to first step, large over small": "<= 1.2", "cache peak disk over its limit": "<= 1.0",
+           "streamed evaluation, fetched ahead over one batch at a time": "> 1"}
+EVAL_BATCH = 64
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -111,6 +120,25 @@ def loader_rate(split, batches: int, block: int = 1) -> float:
     start = time.perf_counter()
     samples = sum(len(labels) for _, labels in itertools.islice(stream, batches))
     return samples / (time.perf_counter() - start)
+
+
+def eval_rate(split, batches: int, ahead: bool = True) -> float:
+    """Samples/s of the first ``batches`` evaluation batches of ``split`` in order (after one untimed batch):
+    data.eval_batches, or with ``ahead`` off each batch read when asked for (``split.read``)."""
+    import numpy as np
+
+    from traincore.data.loader import eval_batches
+
+    if ahead:
+        reads = eval_batches(split, EVAL_BATCH)
+    else:
+        reads = (split.read(np.arange(start, start + EVAL_BATCH))
+                 for start in range(0, len(split) - EVAL_BATCH + 1, EVAL_BATCH))
+    with closing(reads):
+        next(reads)
+        start = time.perf_counter()
+        samples = sum(len(labels) for _, labels in itertools.islice(reads, batches))
+        return samples / (time.perf_counter() - start)
 
 
 def model_rate(size: int, steps: int = 5) -> float:
@@ -198,6 +226,17 @@ def main(argv: list[str] | None = None) -> int:
                 split.close()
         print(f"loader, streamed: {streamed} samples/s by block_samples; cache disk {peak_disk / 2**20:.0f} "
               "MiB", flush=True)
+        evict(large)
+        evaluation = {"local disk": eval_rate(StagedSplit(large, "val"), args.batches)}
+        for name, ahead in (("streamed", True), ("streamed, one batch at a time", False)):
+            evict(large)
+            (split,) = open_streamed(Store(f"s3://{BUCKET}/{large.name}", store.storage_options),
+                                     ("val",), cache_bytes, cache_dir=Path(scratch) / f"eval-{ahead}")
+            try:
+                evaluation[name] = eval_rate(split, args.batches, ahead)
+            finally:
+                split.close()
+        print(f"evaluation: {evaluation} samples/s", flush=True)
         ttfs = {name: time_to_first_step(store, dataset, Path(scratch))
                 for name, dataset in (("small", small), ("large", large))}
     print(f"time to first step: small {ttfs['small']:.1f} s, large {ttfs['large']:.1f} s", flush=True)
@@ -212,11 +251,15 @@ def main(argv: list[str] | None = None) -> int:
             {"case": f"time to first step, {small.name} streamed", "seconds": ttfs["small"]},
             {"case": f"time to first step, {large.name} streamed ({size_gb:.1f} GB)",
              "seconds": ttfs["large"]}]
+    rows += [{"case": f"evaluation, {name}", "samples_per_s": rate, "mb_per_s": rate * sample_mb}
+             for name, rate in evaluation.items()]
     ratios = {**{f"streamed over local loader samples/s, block_samples {block}":
                  streamed[block] / local[block] for block in BLOCKS},
               "streamed loader over model samples/s": streamed[1] / consumption,
               "time to first step, large over small": ttfs["large"] / ttfs["small"],
-              "cache peak disk over its limit": peak_disk / cache_bytes}
+              "cache peak disk over its limit": peak_disk / cache_bytes,
+              "streamed evaluation, fetched ahead over one batch at a time":
+                  evaluation["streamed"] / evaluation["streamed, one batch at a time"]}
     print(markdown_table(rows) + "\n")
     print(markdown_table([{"ratio": name, "value": value, "target": TARGETS[name]}
                           for name, value in ratios.items()]), flush=True)

@@ -15,6 +15,8 @@ from __future__ import annotations
 import multiprocessing
 import multiprocessing.forkserver
 import os
+import shutil
+import subprocess
 import sys
 from collections.abc import Callable
 from multiprocessing.context import ForkServerContext
@@ -88,13 +90,54 @@ def train_forked(args: list, log: Path, timeout: float = 300) -> str:
 
 
 def wait_exit(process: multiprocessing.Process, timeout: float) -> int:
-    """``process``'s exit code (negative: killed by that signal); SIGKILL it and fail after ``timeout``."""
+    """``process``'s exit code (negative: killed by that signal); after ``timeout``, SIGKILL it and fail
+    with where each process of its tree waited (hang_report)."""
     process.join(timeout)
     if process.exitcode is None:
+        where = hang_report(process.pid)
         process.kill()
         process.join()
-        raise AssertionError(f"{process.name} still ran after {timeout:.0f} s")
+        raise AssertionError(f"{process.name} still ran after {timeout:.0f} s; where its processes waited:\n"
+                             f"{where}")
     return process.exitcode
+
+
+def process_tree(pid: int) -> list[int]:
+    """``pid`` and its descendants, parents first (/proc's children lists)."""
+    tree = [pid]
+    for parent in tree:
+        for task in Path(f"/proc/{parent}/task").glob("*"):
+            try:
+                tree += [int(child) for child in (task / "children").read_text().split()]
+            except OSError:  # ended meanwhile
+                pass
+    return tree
+
+
+def hang_report(pid: int, dump_timeout_s: float = 30) -> str:
+    """Each process of ``pid``'s tree: its command line, state and kernel wait channel, and every thread's
+    Python and native stack (py-spy, a dev dependency): what a hung run waited for, read before the kill."""
+    spy = shutil.which("py-spy", path=str(Path(sys.executable).parent)) or shutil.which("py-spy")
+    lines = []
+    for member in process_tree(pid):
+        proc = Path(f"/proc/{member}")
+        try:
+            command = proc.joinpath("cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+            state = next(line for line in proc.joinpath("status").read_text().splitlines()
+                         if line.startswith("State:"))
+            lines.append(f"pid {member} [{command.strip()[:160]}] {state}, waits in "
+                         f"{proc.joinpath('wchan').read_text() or '-'}")
+        except OSError:
+            continue
+        if spy:
+            try:
+                dumped = subprocess.run([spy, "dump", "--native", "--pid", str(member)], capture_output=True,
+                                        text=True, timeout=dump_timeout_s)
+                lines += [line for line in (dumped.stdout or dumped.stderr).splitlines()
+                          if line.startswith(("Thread ", "    "))]
+            except subprocess.TimeoutExpired:
+                lines.append("    (py-spy did not answer)")
+    return "\n".join(lines)
 
 
 def _settle(env: dict[str, str]) -> None:

@@ -81,10 +81,10 @@ def test_streaming_bench_reads_a_staging_served_as_a_slow_store(tmp_path):
     # Its own runner: two streamed training runs to a first step make it the longest of the tiny benches.
     (streaming,) = run_tiny(tmp_path, "streaming")["benchmarks"]
     assert streaming["benchmark"] == "streaming" and "error" not in streaming, streaming
-    # Streamed from bench/slow_store.py (a local directory served as S3, with latency): every loader row
-    # read batches, two streamed runs reached a first step, and the cache stayed within its limit.
+    # Streamed from bench/slow_store.py (a local directory served as S3, with latency): every loader and
+    # evaluation row read batches, two streamed runs reached a first step, the cache stayed within its limit.
     rates = {row["case"]: row.get("samples_per_s") or row.get("seconds") for row in streaming["results"]}
-    assert len(rates) == 7 and all(value > 0 for value in rates.values()), rates
+    assert len(rates) == 10 and all(value > 0 for value in rates.values()), rates
     assert 0 < streaming["ratios"]["cache peak disk over its limit"] <= 1.0
     assert streaming["ratios"]["time to first step, large over small"] > 0
 

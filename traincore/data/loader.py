@@ -349,10 +349,10 @@ class _CudaPrefetcher:
         return images, labels
 
 
-def eval_batches(split: StagedSplit, batch_size: int, *, rank: int = 0,
+def eval_batches(split: StagedSplit | StreamedSplit, batch_size: int, *, rank: int = 0,
                  world_size: int = 1) -> Iterator[Batch]:
-    """This rank's contiguous share of the split in order, without padding, as uint8 host batches."""
+    """This rank's contiguous share of the split in order, without padding, as uint8 host batches (a
+    streamed split fetches them ahead, as it does training's). Close it when leaving it unfinished."""
     per_rank = -(-len(split) // world_size)
     lo, hi = rank * per_rank, min((rank + 1) * per_rank, len(split))
-    for start in range(lo, hi, batch_size):
-        yield split.read(np.arange(start, min(start + batch_size, hi)))
+    return split.stream(np.arange(start, min(start + batch_size, hi)) for start in range(lo, hi, batch_size))

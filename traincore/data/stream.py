@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import copy
 import hashlib
-import itertools
 import logging
 import mmap
 import os
@@ -124,6 +123,11 @@ class SampleCache:
                     self._pins[sample] = left
                 else:
                     del self._pins[sample]
+
+    def room(self) -> int:
+        """Slots that no batch in flight pins: what one more batch may claim."""
+        with self._lock:
+            return self.slots - len(self._pins)
 
     def write(self, slot: int, data: bytes | memoryview) -> None:
         os.pwrite(self._fd, data, slot * self.sample_bytes)
@@ -248,14 +252,19 @@ class StreamedSplit:
 
     def stream(self, batches: Iterator[np.ndarray], pin_memory: bool = False) -> Iterator[Batch]:
         """The batches of index arrays ``batches``, in order, each fetched ``ahead`` batches ahead; training
-        that has to wait for a batch doubles ``ahead``, up to ``most_ahead``."""
+        that has to wait for a batch doubles ``ahead``, up to ``most_ahead``. A batch is fetched ahead only
+        while the cache has room for it beside what other streams pin: an evaluation streams its split in
+        the middle of training's epoch, whose batches in flight stay pinned meanwhile."""
         pending: list[tuple[tuple[np.ndarray, np.ndarray, list[int]], Future]] = []
         batches, started = iter(batches), False
+        upcoming = next(batches, None)
         try:
             while True:
-                for indices in itertools.islice(batches, self.ahead + 1 - len(pending)):
-                    claimed = self._claim(indices)
+                while upcoming is not None and len(pending) <= self.ahead and (
+                        not pending or self.cache.room() >= len(upcoming)):
+                    claimed = self._claim(upcoming)
                     pending.append((claimed, self._pool.submit(self._fetch, *claimed)))
+                    upcoming = next(batches, None)
                 if not pending:
                     return
                 claimed, future = pending.pop(0)

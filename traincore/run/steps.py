@@ -10,7 +10,7 @@ from __future__ import annotations
 import math
 import random
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager, nullcontext
+from contextlib import closing, contextmanager, nullcontext
 
 import numpy as np
 import torch
@@ -185,14 +185,15 @@ def validate(model: nn.Module, split: StagedSplit, batch_size: int, ctx: DistCon
     share = eval_batches(split, batch_size, rank=ctx.rank, world_size=ctx.world_size)
     per_rank = math.ceil(len(split) / ctx.world_size)
     rounds = math.ceil(per_rank / batch_size)
-    for _ in range(rounds):
-        batch = next(share, None)
-        images, labels = batch if batch is not None else split.read(np.arange(1))
-        labels = labels.to(ctx.device)
-        logits = model(normalize(images.to(ctx.device))).float()
-        if batch is not None:
-            loss_sum += F.cross_entropy(logits, labels, reduction="sum").item()
-            correct += (logits.argmax(1) == labels).sum().item()
+    with closing(share):  # a streamed split's last batch stays pinned in its cache until then
+        for _ in range(rounds):
+            batch = next(share, None)
+            images, labels = batch if batch is not None else split.read(np.arange(1))
+            labels = labels.to(ctx.device)
+            logits = model(normalize(images.to(ctx.device))).float()
+            if batch is not None:
+                loss_sum += F.cross_entropy(logits, labels, reduction="sum").item()
+                correct += (logits.argmax(1) == labels).sum().item()
     model.train(was_training)
     loss_sum, correct = all_reduce_sum([loss_sum, correct], ctx.device)
     return {"loss": loss_sum / len(split), "accuracy": correct / len(split)}

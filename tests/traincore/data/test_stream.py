@@ -18,7 +18,7 @@ from trainruns import CHECKPOINTED, final_weights
 
 from traincore.checkpoint import Store
 from traincore.config import DataConfig, LoaderConfig
-from traincore.data import StagedLoader, StagedSplit, StreamedSplit, StreamError, stage
+from traincore.data import StagedLoader, StagedSplit, StreamedSplit, StreamError, eval_batches, stage
 from traincore.data.stream import (
     MAX_WINDOW,
     NODE_CACHE_ENV,
@@ -152,6 +152,30 @@ def test_the_cache_stays_within_its_limit_with_a_dataset_ten_times_larger(remote
                     f"beside an evaluation batch: a larger loader.cache_bytes lets it fetch up to "
                     f"{MAX_WINDOW} ahead"], said  # once
     stream.close()
+
+
+def test_an_evaluation_in_the_middle_of_an_epoch_fetches_ahead_within_the_cache_training_leaves(
+        staged, remote, tmp_path):
+    local = [StagedSplit(staged, split) for split in ("train", "val")]
+    expected = [(x.clone(), y.clone()) for x, y in eval_batches(local[1], LOADER.eval_batch_size)]
+    for cache_bytes in (1 << 20, ((WINDOW + 1) * LOADER.batch_size + LOADER.eval_batch_size) * 768):
+        train, val = open_streamed(remote, ("train", "val"), cache_bytes,
+                                   cache_dir=tmp_path / str(cache_bytes))
+        in_flight = slow_reads(val)
+        loader, on_disk = StagedLoader(train, LOADER), StagedLoader(local[0], LOADER)
+        epoch, disk_epoch = loader.host_batches(), on_disk.host_batches()
+        for _ in range(3):  # training's window is in flight, its samples pinned, while the evaluation runs
+            assert all(torch.equal(a, b) for a, b in zip(next(epoch), next(disk_epoch), strict=True))
+        evaluated = list(eval_batches(val, LOADER.eval_batch_size))
+        assert len(evaluated) == len(expected)
+        for (x, y), (ex, ey) in zip(evaluated, expected, strict=True):
+            assert torch.equal(x, ex) and torch.equal(y, ey)
+        # The evaluation fetched ahead as far as the cache left room: one batch beside training's at least.
+        most = WINDOW + 1 if cache_bytes == 1 << 20 else 1
+        assert in_flight["most"] == most, (cache_bytes, in_flight)
+        for (x, y), (lx, ly) in zip(epoch, disk_epoch, strict=True):  # and training goes on where it was
+            assert torch.equal(x, lx) and torch.equal(y, ly)
+        train.close()
 
 
 def test_a_cache_smaller_than_the_batches_in_flight_is_refused_before_a_read(remote, tmp_path):
