@@ -47,6 +47,7 @@ from traincore.exitcodes import PREEMPTED_EXIT_CODE
 from traincore.run import (
     Preempted,
     Trainer,
+    open_start_gate,
     preflight,
     read_record,
     settle_worker,
@@ -272,6 +273,8 @@ class ElasticTrainTask(TopologyTaskMixin, PytorchElasticFunctionTask):
             # Nothing to rendezvous or restart: a spawned worker would only import torch (and all the rest)
             # a second time. Errors keep their classes: train_model raises what a worker would.
             return self.task_function(**kwargs)
+        if self.task_config.start_method == "fork":
+            open_start_gate(self.topology.nproc_per_node)
         stderr_dir = tempfile.mkdtemp(prefix="worker-stderr-",
                                       dir=flytekit.current_context().working_directory)
         os.environ[STDERR_DIR_ENV] = stderr_dir  # the workers inherit it (forked or spawned)
@@ -344,15 +347,16 @@ def worker_start_method(topology: Topology) -> str:
     the task process's imports (torch, flytekit, traincore: seconds each), "spawn" otherwise. Decided when
     the task is loaded, in the pod that runs it: its cores and OMP_NUM_THREADS are the workers'.
 
-    What a fork copies is safe here. At fork time the task process runs, besides its main thread: the
-    records thread that copies the workers' stderr tails into the checkpoint root and, for an object-store
-    root, fsspec's I/O thread (traincore.telemetry.records; the workers never use either), the c10d
-    rendezvous' keep-alive thread and the agent's TCPStore server threads (workers reach the store through
-    sockets of their own), and torch's intra-op threads once preflight's forward ran, which a worker at one
-    thread never uses. Only the forking thread exists in a child, and a lock another thread held at the
-    fork would stay locked there; the locks a worker takes are re-initialised after a fork: logging's
-    handlers' (os.register_at_fork, since Python 3.7) and fsspec's event loop, lock and instance cache
-    (fsspec.asyn and fsspec.spec reset them).
+    What a fork copies. At fork time the task process runs, besides its main thread: the records thread
+    that copies the workers' stderr tails into the checkpoint root and, for an object-store root, fsspec's
+    I/O thread (traincore.telemetry.records; the workers never use either), the c10d rendezvous' keep-alive
+    thread and the agent's TCPStore server threads, and torch's intra-op threads once preflight's forward
+    ran, which a worker at one thread never uses. Only the forking thread exists in a child, and a lock
+    another thread held at the fork stays locked there. Logging's handlers' locks (os.register_at_fork,
+    since Python 3.7) and fsspec's event loop, lock and instance cache (fsspec.asyn and fsspec.spec) are
+    re-initialised after a fork; glibc's resolver lock is not, and the store's server thread takes it for
+    every worker that connects: the workers therefore wait until all of them are forked before they
+    connect (traincore.run.launch.open_start_gate, opened in ``_train``).
     """
     if topology.nnodes > 1:
         return "spawn"

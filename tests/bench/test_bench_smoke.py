@@ -204,3 +204,13 @@ def test_object_store_bench_saves_into_a_local_s3_server_and_compares(tiny_resul
     assert set(bench["ratios"]) == {"dcp bytes/s over boto3 upload_file bytes/s",
                                     "dcp load bytes/s over boto3 download_file bytes/s",
                                     "async blocking over one in-memory copy"}
+
+
+def test_the_fork_gate_script_counts_its_launches_both_ways():
+    # A few launches of two forked workers each way; how many hang is what the script is for, not asserted.
+    done = subprocess.run([sys.executable, "bench/fork_gate.py", "--launches", "3", "--workers", "2"],
+                          cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    lines = [line for line in done.stdout.splitlines() if "launches of 2 forked workers hung" in line]
+    assert [line.split(":")[0] for line in lines] == ["without the start gate", "with the start gate"], lines
+    assert "with the start gate: 0 of 3 launches" in done.stdout, done.stdout

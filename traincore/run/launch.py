@@ -9,9 +9,11 @@ MASTER_ADDR, the agent's store), restarts and error files exactly as under torch
 
 from __future__ import annotations
 
+import mmap
 import multiprocessing
 import os
 import signal
+import time
 import uuid
 from collections.abc import Callable
 from pathlib import Path
@@ -42,7 +44,10 @@ def start_method(threads: int, cuda: bool) -> str:
     count, hung; the same child at one thread took 0.03 s. One thread never enters the pool, so forked
     workers are single-threaded ones only (the default for several per node); a worker that wants the
     node's cores starts in a fresh interpreter. With CUDA, "spawn" always: a CUDA context does not survive
-    a fork, and the parent has already asked CUDA for its devices (preflight's backend check).
+    a fork, and the parent has already asked CUDA for its devices (preflight's backend check). Whoever
+    forks calls :func:`open_start_gate` first: a lock another of its threads holds would stay locked in a
+    child forked meanwhile, and the rendezvous store's server thread takes one for every worker that
+    connects.
     """
     return "fork" if threads == 1 and not cuda else "spawn"
 
@@ -55,6 +60,42 @@ def worker_threads(nproc_per_node: int) -> int:
     except ValueError as exc:
         raise ConfigError(f"OMP_NUM_THREADS={os.environ['OMP_NUM_THREADS']!r} is not an integer: set it to "
                           "the threads each worker may use, e.g. 1, or unset it") from exc
+
+
+START_GATE_TIMEOUT_S = 300  # a worker waits this long for its siblings (a dead one ends the attempt sooner)
+_start_gate: mmap.mmap | None = None  # one byte per local worker, shared with forked ones (open_start_gate)
+
+
+def open_start_gate(nproc_per_node: int) -> None:
+    """Call before forking ``nproc_per_node`` workers: each then waits in :func:`settle_worker` until every
+    local worker of its attempt has been forked, and only then connects to anything.
+
+    Why: the launcher hosts torch elastic's rendezvous store, whose server thread looks up the name of
+    every client that connects (getnameinfo, which takes glibc's resolver lock). A worker forked while
+    that thread holds the lock inherits it locked, and hangs for good at its own first connection (c10d's
+    TCPStore client formats its address the same way), before any timeout applies: three ranks of a run
+    stood in init_process_group until killed. Reproduced with torch 2.14.1 (bench/fork_gate.py: a process
+    hosting a TCPStore forks three workers that connect and form a gloo group): 4 launches in 150 hung
+    alone, 10 in 127 beside other work, each with a worker in glibc's ``__resolv_context_get``. Held back
+    until the last fork, no worker connects while another is forked: 0 in 300, alone and with both cores
+    busy. Spawned workers never pass through here (they start with no gate).
+    """
+    global _start_gate
+    _start_gate = mmap.mmap(-1, nproc_per_node)  # anonymous and shared: what a forked worker writes, all see
+
+
+def _pass_start_gate(timeout_s: float = START_GATE_TIMEOUT_S) -> None:
+    """Mark this worker started in this attempt, and wait until its local siblings have too."""
+    if _start_gate is None:
+        return
+    mark = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) % 255 + 1  # a restart's workers mark anew
+    _start_gate[int(os.environ["LOCAL_RANK"])] = mark
+    deadline = time.monotonic() + timeout_s
+    while _start_gate[:].count(mark) < len(_start_gate):
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"{len(_start_gate) - _start_gate[:].count(mark)} of this node's "
+                               f"{len(_start_gate)} workers did not start within {timeout_s:.0f} s")
+        time.sleep(0.002)
 
 
 WORKER_NAME = "traincore-r"
@@ -79,6 +120,7 @@ def settle_worker(threads: int) -> None:
     signal.signal(signal.SIGINT, signal.default_int_handler)
     torch.set_num_threads(threads)
     name_worker()
+    _pass_start_gate()  # forked ones: not a connection before the last fork (open_start_gate)
 
 
 def name_worker() -> None:
@@ -115,6 +157,8 @@ def launch_local(entrypoint: Callable[..., Any], args: tuple, nproc_per_node: in
         # with one worker and a restart budget: forkserver 8.0-8.8 s, spawn 9.2-9.5 s (2 cores).
         method = "forkserver"
         multiprocessing.get_context(method).set_forkserver_preload([entrypoint.__module__])
+    else:
+        open_start_gate(nproc_per_node)
     config = LaunchConfig(min_nodes=1, max_nodes=1, nproc_per_node=nproc_per_node, run_id=str(uuid.uuid4()),
                           rdzv_backend="c10d", rdzv_endpoint="localhost:0", max_restarts=max_restarts,
                           start_method=method)

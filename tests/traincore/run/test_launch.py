@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import multiprocessing
 import os
 import signal
 import subprocess
@@ -11,9 +12,12 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
+from ranks import start_ranks
 from workers import elastic_workers
 
 from traincore.checkpoint import complete_steps
+from traincore.run import launch
 from traincore.run.cli import main
 from traincore.run.launch import WORKER_NAME, start_method
 
@@ -154,6 +158,50 @@ def test_one_worker_at_the_default_thread_count_trains_after_its_launcher_ran_a_
                                                          (1, True, "spawn"), (8, True, "spawn")])
 def test_workers_are_forked_only_when_single_threaded_and_without_cuda(threads, cuda, method):
     assert start_method(threads, cuda) == method
+
+
+def _worker_after_a_sibling(local_rank: int, passed) -> None:
+    os.environ.update(LOCAL_RANK=str(local_rank), TORCHELASTIC_RESTART_COUNT="0")
+    launch._pass_start_gate()
+    passed.put((local_rank, time.monotonic()))
+
+
+def _fork_two_workers_apart(_) -> None:
+    """A launcher's part, in a child of the tests' forkserver: a worker, then its sibling 0.5 s later."""
+    launch.open_start_gate(2)
+    fork = multiprocessing.get_context("fork")
+    passed = fork.SimpleQueue()
+    first = fork.Process(target=_worker_after_a_sibling, args=(0, passed))
+    first.start()
+    time.sleep(0.5)
+    second_forked = time.monotonic()
+    second = fork.Process(target=_worker_after_a_sibling, args=(1, passed))
+    second.start()
+    for worker in (first, second):
+        worker.join(30)
+        assert worker.exitcode == 0, worker.exitcode
+    times = dict(passed.get() for _ in range(2))
+    assert min(times.values()) >= second_forked, (times, second_forked)  # the first waited for the second
+
+
+def test_a_forked_worker_connects_to_nothing_until_its_last_sibling_is_forked():
+    start_ranks(_fork_two_workers_apart, nprocs=1)
+
+
+def _gate_seen() -> bytes | None:
+    if os.environ["TORCHELASTIC_RESTART_COUNT"] == "0":
+        raise RuntimeError("the first attempt fails: the restart's workers mark the gate anew")
+    return None if launch._start_gate is None else launch._start_gate[:]
+
+
+def _launch_with_a_restart(_) -> None:
+    results = launch.launch_local(_gate_seen, (), nproc_per_node=2, max_restarts=1)
+    forked = start_method(launch.worker_threads(2), torch.cuda.is_available()) == "fork"
+    assert results == ({0: b"\x02\x02", 1: b"\x02\x02"} if forked else {0: None, 1: None}), results
+
+
+def test_the_launcher_holds_its_forked_workers_and_their_restart_at_the_gate():
+    start_ranks(_launch_with_a_restart, nprocs=1)
 
 
 def test_nproc_per_node_is_refused_under_torchrun(digits_dir, tmp_path):
