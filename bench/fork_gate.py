@@ -28,17 +28,14 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a script from a source checkout
 
-import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
 from traincore.run import launch  # noqa: E402
 
 
-def worker(port: int, rank: int, world: int, launch_number: int, gated: bool) -> None:
-    torch.set_num_threads(1)
-    if gated:
-        os.environ.update(LOCAL_RANK=str(rank), TORCHELASTIC_RESTART_COUNT=str(launch_number))
-        launch._pass_start_gate()
+def worker(port: int, rank: int, world: int, launch_number: int) -> None:
+    os.environ.update(LOCAL_RANK=str(rank), TORCHELASTIC_RESTART_COUNT=str(launch_number))
+    launch.settle_worker(1)  # as every worker starts: with a gate opened before the fork, it waits there
     timeout = datetime.timedelta(seconds=30)
     client = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=timeout)
     store = dist.PrefixStore(f"launch-{launch_number}", client)
@@ -54,7 +51,7 @@ def hung_launches(launches: int, workers: int, timeout_s: float, gated: bool) ->
     for number in range(launches):
         if gated:
             launch.open_start_gate(workers)
-        started = [fork.Process(target=worker, args=(server.port, rank, workers, number, gated))
+        started = [fork.Process(target=worker, args=(server.port, rank, workers, number))
                    for rank in range(workers)]
         for process in started:
             process.start()

@@ -162,7 +162,7 @@ def test_workers_are_forked_only_when_single_threaded_and_without_cuda(threads, 
 
 def _worker_after_a_sibling(local_rank: int, passed) -> None:
     os.environ.update(LOCAL_RANK=str(local_rank), TORCHELASTIC_RESTART_COUNT="0")
-    launch._pass_start_gate()
+    launch.settle_worker(1)
     passed.put((local_rank, time.monotonic()))
 
 
