@@ -9,9 +9,9 @@ gate a worker connects as soon as it is forked, while the next one is being fork
 (traincore.run.launch.open_start_gate), every worker waits until all N exist. A launch counts as hung
 when a worker has not finished within ``--timeout-s``; the script then prints where it waited (py-spy,
 where installed). Run it beside a busy loop per core to see what a loaded node sees. Measured on this
-2-core VM with torch 2.14.1 (2026-11-28), 3 workers: without the gate 4 launches in 150 hung alone and
-10 in 127 beside other work, every one in glibc's ``__resolv_context_get`` under the TCPStore client's
-connect; with it 0 in 300 alone and 0 in 300 with both cores busy.
+2-core VM with torch 2.14.1 (2026-11-28), 3 workers: without the gate 4 launches in 150 hung alone, 10
+in 127 beside other work and 3 in 42 with both cores busy, every one in glibc's ``__resolv_context_get``
+under the TCPStore client's connect; with it 0 in 300 alone and 0 in 300 with both cores busy.
 """
 
 from __future__ import annotations

@@ -76,7 +76,8 @@ def open_start_gate(nproc_per_node: int) -> None:
     TCPStore client formats its address the same way), before any timeout applies: three ranks of a run
     stood in init_process_group until killed. Reproduced with torch 2.14.1 (bench/fork_gate.py: a process
     hosting a TCPStore forks three workers that connect and form a gloo group): 4 launches in 150 hung
-    alone, 10 in 127 beside other work, each with a worker in glibc's ``__resolv_context_get``. Held back
+    alone, 10 in 127 beside other work, 3 in 42 with both cores busy, each with a worker in glibc's
+    ``__resolv_context_get``. Held back
     until the last fork, no worker connects while another is forked: 0 in 300, alone and with both cores
     busy. Spawned workers never pass through here (they start with no gate).
     """
