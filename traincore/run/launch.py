@@ -77,9 +77,8 @@ def open_start_gate(nproc_per_node: int) -> None:
     stood in init_process_group until killed. Reproduced with torch 2.14.1 (bench/fork_gate.py: a process
     hosting a TCPStore forks three workers that connect and form a gloo group): 4 launches in 150 hung
     alone, 10 in 127 beside other work, 3 in 42 with both cores busy, each with a worker in glibc's
-    ``__resolv_context_get``. Held back
-    until the last fork, no worker connects while another is forked: 0 in 300, alone and with both cores
-    busy. Spawned workers never pass through here (they start with no gate).
+    ``__resolv_context_get``. Held back until the last fork, no worker connects while another is forked:
+    0 in 300, alone and with both cores busy. Spawned workers never pass through here (no gate in them).
     """
     global _start_gate
     _start_gate = mmap.mmap(-1, nproc_per_node)  # anonymous and shared: what a forked worker writes, all see
