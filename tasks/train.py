@@ -356,7 +356,8 @@ def worker_start_method(topology: Topology) -> str:
     since Python 3.7) and fsspec's event loop, lock and instance cache (fsspec.asyn and fsspec.spec) are
     re-initialised after a fork; glibc's resolver lock is not, and the store's server thread takes it for
     every worker that connects: the workers therefore wait until all of them are forked before they
-    connect (traincore.run.launch.open_start_gate, opened in ``_train``).
+    connect (traincore.run.launch.open_start_gate, opened in ``_train``), and a fork waits for a records
+    copy under way, whose look-up of the store's host name takes it too (traincore.telemetry.records).
     """
     if topology.nnodes > 1:
         return "spawn"

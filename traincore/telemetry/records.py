@@ -12,18 +12,30 @@ way.
 Object stores have no append: a file that changed since its last copy is uploaded whole. Records are
 small (a metrics row is about 300 bytes, an event about 100), so this is cheap next to a checkpoint; a
 stderr copy contributes only its last :data:`TAIL_BYTES`.
+
+A process that forks while a copy runs (torch elastic's agent forks its workers, at the start and at every
+restart, while its records thread copies their stderr tails) waits for the copy to end: a copy to an object
+store resolves the store's host name, glibc's resolver lock is held meanwhile by the thread that resolves,
+and a child forked then would inherit it locked and hang at its own first connection (the start-up hang of
+:func:`traincore.run.launch.open_start_gate`). Forks of a process with no running copier are untouched.
 """
 
 from __future__ import annotations
 
 import logging
+import os
 import threading
+import time
+import weakref
 from pathlib import Path
 
 from traincore.checkpoint import Store
 
 RECORDS_DIR = "records"
 TAIL_BYTES = 64 << 10  # of a stderr copy: the end of a failure, not the whole log
+# How long a fork waits for a running copy: past it (a store that stopped answering) the fork goes ahead,
+# with a warning, rather than the workers never starting.
+FORK_WAIT_S = 60.0
 
 log = logging.getLogger(__name__)
 
@@ -59,6 +71,40 @@ def continue_records(target: Store, metrics: Path) -> None:
     metrics.write_bytes(data)
 
 
+_copying: weakref.WeakSet[RecordsSync] = weakref.WeakSet()  # started and not yet closed, in this process
+_forking = threading.local()  # .held: the copy locks taken for the fork this thread is making
+_hooks = threading.Lock()
+_hooks_registered = False
+
+
+def _hold_copies() -> None:
+    """Before a fork: wait for every running copy to end, and keep the next from starting until forked."""
+    deadline, _forking.held = time.monotonic() + FORK_WAIT_S, []
+    for sync in list(_copying):
+        if sync._lock.acquire(timeout=max(deadline - time.monotonic(), 0)):
+            _forking.held.append(sync._lock)
+        else:
+            log.warning("forking while the run records are copied to %s (a copy still running after %.0f s)",
+                        sync.target, FORK_WAIT_S)
+
+
+def _release_copies() -> None:
+    """After a fork, in the parent and in the child: the copy locks taken before it."""
+    for lock in getattr(_forking, "held", ()):
+        lock.release()
+    _forking.held = []
+
+
+def _register_fork_hooks() -> None:
+    """Once per process, when its first copier starts (importing this module registers nothing)."""
+    global _hooks_registered
+    with _hooks:
+        if not _hooks_registered:
+            os.register_at_fork(before=_hold_copies, after_in_parent=_release_copies,
+                                after_in_child=_release_copies)
+            _hooks_registered = True
+
+
 class RecordsSync:
     """Copies local files and directories into ``target`` now and then, and once more on :meth:`close`.
 
@@ -77,8 +123,11 @@ class RecordsSync:
         self._thread: threading.Thread | None = None
 
     def start(self) -> RecordsSync:
-        """Copy in a background thread every ``every_s`` seconds (none when 0)."""
+        """Copy in a background thread every ``every_s`` seconds (none when 0); a fork of this process waits
+        for a copy under way until :meth:`close`."""
         if self.every_s > 0:
+            _register_fork_hooks()
+            _copying.add(self)
             self._thread = threading.Thread(target=self._loop, name="records-sync", daemon=True)
             self._thread.start()
         return self
@@ -118,6 +167,7 @@ class RecordsSync:
         """Stop the thread and copy once more: what the run wrote last is in the store. Safe to call from
         two threads at once (a run unwinding while its preemption grace runs out copies from both)."""
         self._stop.set()
+        _copying.discard(self)
         thread, self._thread = self._thread, None
         if thread is not None:
             thread.join()

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import json
 import os
+import threading
+import time
 import uuid
 
 import pytest
@@ -93,3 +95,37 @@ def test_a_main_rank_on_a_node_without_the_attempts_metrics_continues_its_durabl
     here.write_bytes(b'{"step": 30, "kind": "train"}\n')
     continue_records(target, here)
     assert here.read_bytes() == b'{"step": 30, "kind": "train"}\n'
+
+
+class SlowStore(Store):
+    """A local root whose writes wait for ``go``: a copy to a slow store, under way."""
+
+    def __init__(self, location):
+        super().__init__(location)
+        self.writing, self.go = threading.Event(), threading.Event()
+
+    def write_bytes(self, name, data):
+        self.writing.set()
+        self.go.wait(30)
+        return super().write_bytes(name, data)
+
+
+def test_a_fork_waits_for_the_copy_under_way(tmp_path):
+    """A launcher forking its workers while its records thread copies (whose host-name look-up holds
+    glibc's resolver lock) would give them that lock, held: the fork waits for the copy instead."""
+    (tmp_path / "metrics.jsonl").write_text('{"step": 1}\n')
+    target = SlowStore(tmp_path / "root")
+    sync = RecordsSync(target, 0.05, {"metrics.jsonl": tmp_path / "metrics.jsonl"}).start()
+    try:
+        assert target.writing.wait(30)
+        threading.Timer(0.5, target.go.set).start()
+        started = time.monotonic()
+        pid = os.fork()
+        if pid == 0:  # the copy ended before this process was made
+            os._exit(0 if target.is_file("metrics.jsonl") else 1)
+        waited = time.monotonic() - started
+        assert os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1]) == 0
+        assert waited >= 0.4
+    finally:
+        target.go.set()
+        sync.close()
