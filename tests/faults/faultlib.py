@@ -15,7 +15,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from ranks import start_script
+from ranks import process_tree, start_script
 
 # Tiny, fast and deterministic: a CNN of width 8 on 12x12 synthetic images, logging every step.
 TINY = {"model": {"name": "small_cnn", "width": 8}, "optim": {"lr": 3e-3, "warmup_steps": 2},
@@ -44,25 +44,9 @@ def run(cmd: list[str], timeout: float = 300, **kwargs) -> subprocess.CompletedP
     return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=child_env(), **kwargs)
 
 
-def descendants(pid: int) -> list[int]:
-    """``pid`` and every process below it (elastic workers start their own sessions, so walk /proc)."""
-    children: dict[int, list[int]] = {}
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            fields = stat.read_text().rsplit(")", 1)[1].split()
-        except OSError:
-            continue
-        children.setdefault(int(fields[1]), []).append(int(stat.parent.name))
-    found, queue = [], [pid]
-    while queue:
-        found.append(queue.pop())
-        queue.extend(children.get(found[-1], []))
-    return found
-
-
 def kill_tree(pid: int, sig: int = signal.SIGKILL) -> None:
     """Signal a process and every descendant, as a node failure would."""
-    for victim in descendants(pid):
+    for victim in process_tree(pid):
         with contextlib.suppress(ProcessLookupError):
             os.kill(victim, sig)
 

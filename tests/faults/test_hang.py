@@ -16,7 +16,8 @@ import subprocess
 import sys
 import time
 
-from faultlib import TINY, child_env, descendants, kill_tree, still_running, train_args, wait_for
+from faultlib import TINY, child_env, kill_tree, still_running, train_args, wait_for
+from ranks import process_tree
 
 STEP_TIMEOUT_S = 5
 # Rank 0's wait is STEP_TIMEOUT_S; on top come its error path, the agent's monitor interval (0.1 s) and
@@ -64,7 +65,7 @@ def test_hung_worker_fails_the_run_within_the_step_timeout(fault_data, tmp_path)
     try:
         wait_for(lambda: HANG_MARK in log.read_text(errors="replace") or process.poll() is not None, 300,
                  "rank 1 to hang")
-        hung_at, run_pids = time.monotonic(), descendants(process.pid)
+        hung_at, run_pids = time.monotonic(), process_tree(process.pid)
         code = process.wait(timeout=STEP_TIMEOUT_S + MARGIN_S + 60)
         detected_s = time.monotonic() - hung_at
     finally:

@@ -21,14 +21,13 @@ import torch
 from faultlib import (
     TINY,
     child_env,
-    descendants,
     metric_rows,
     run,
     torchrun,
     train_args,
     wait_for,
 )
-from ranks import start_train, train_forked, wait_exit
+from ranks import process_tree, start_train, train_forked, wait_exit
 
 from traincore.artifacts.export import export
 from traincore.checkpoint import complete_steps, parse_step_name, step_dir, verify_checkpoint
@@ -60,7 +59,7 @@ def interrupt_mid_run(process: subprocess.Popen, output: Path, sig: int, group: 
     the launcher and every process below it to exit."""
     wait_for(lambda: len(metric_rows(output)) >= 5 or process.poll() is not None, 120, "training to start")
     assert process.poll() is None, "the run ended before it could be interrupted"
-    tree = descendants(process.pid)
+    tree = process_tree(process.pid)
     sent = time.monotonic()
     os.killpg(process.pid, sig) if group else os.kill(process.pid, sig)
     process.wait(timeout=DEFAULT_GRACE_S + 15)
@@ -185,7 +184,7 @@ def test_ctrl_c_on_a_local_pyflyte_run_saves_the_step_and_prints_a_few_lines(tmp
                                    env=child_env(FLYTE_LOCAL_CACHE_ENABLED="false"))
     wait_for(lambda: " step 20/3000 " in log.read_text() or process.poll() is not None, 180, "training")
     assert process.poll() is None, log.read_text()[-3000:]
-    before, tree = len(log.read_text().splitlines()), descendants(process.pid)
+    before, tree = len(log.read_text().splitlines()), process_tree(process.pid)
     sent = time.monotonic()
     os.killpg(process.pid, signal.SIGINT)
     assert process.wait(timeout=DEFAULT_GRACE_S + 15) == PREEMPTED_EXIT_CODE, log.read_text()[-3000:]

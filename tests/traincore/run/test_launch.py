@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from ranks import start_ranks
+from ranks import process_tree, start_ranks
 from workers import elastic_workers
 
 from traincore.checkpoint import complete_steps
@@ -233,18 +233,13 @@ def test_only_processes_named_as_workers_count_as_workers_however_long_they_live
     unnamed, worker = child(None), child(f"{WORKER_NAME}7", grandchild=True)
     try:
         deadline = time.monotonic() + 10
-        while time.monotonic() < deadline and len(descendants(worker)) < 1:
+        while time.monotonic() < deadline and len(process_tree(worker)) < 2:
             time.sleep(0.01)
-        assert descendants(worker), "the worker's own child did not start"
-        found = elastic_workers(os.getpid())
-        assert worker in found and unnamed not in found and not set(descendants(worker)) & set(found), found
+        assert process_tree(worker)[1:], "the worker's own child did not start"
+        found, own = elastic_workers(os.getpid()), process_tree(worker)[1:]
+        assert worker in found and unnamed not in found and not set(own) & set(found), found
     finally:
-        for pid in (*descendants(worker), unnamed, worker):
+        for pid in (*process_tree(worker)[1:], unnamed, worker):
             os.kill(pid, signal.SIGKILL)
         for pid in (unnamed, worker):
             os.waitpid(pid, 0)
-
-
-def descendants(pid: int) -> list[int]:
-    """The direct children of ``pid``."""
-    return [int(task) for task in Path(f"/proc/{pid}/task/{pid}/children").read_text().split()]
