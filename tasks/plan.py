@@ -21,11 +21,13 @@ from flytekit.core.context_manager import FlyteContextManager
 from tasks.backends import BACKENDS, CAPACITIES, SLURM_BACKEND
 from tasks.errors import UserFacingError
 from tasks.resources import parse_resources
+from tasks.slurm.job import SIGNAL_MARGIN_S, time_limit_s, warning_lead_s
 from tasks.slurm.ssh import SlurmTarget
 from tasks.storage import is_uri, local_path, source_storage_options
 from tasks.types import NodeResources, SlurmSettings, Topology
 from traincore.config import PRESETS, Config, ConfigError, DataConfig, build_config, parse_source
 from traincore.data import StagingError, check_partitions, source_fingerprint
+from traincore.model import InitError, read_init_header
 from traincore.run import (
     OutputError,
     check_model_input,
@@ -81,10 +83,18 @@ def launch_config(preset_name: str, config_overrides: str, source: str, epochs: 
         raise LaunchInputError(str(exc)) from exc
 
 
-def check_protocol(location: str, label: str) -> None:
-    """A URI's scheme must name a filesystem fsspec knows and can load; nothing is contacted. ``label``
-    names the value in the error, e.g. "input checkpoint_uri='...'"."""
-    protocol = location.split("://", 1)[0]
+# Where checkpoints, searches and registries may live: object stores, whose writes are whole objects (and
+# memory://, fsspec's in-process store). A read-only or host-to-host scheme (http, ftp, ...) is refused.
+WRITABLE_SCHEMES = ("s3", "s3a", "gs", "gcs", "abfs", "abfss", "az", "adl", "memory")
+
+
+def check_protocol(location: str, label: str, writable: bool = False) -> None:
+    """A URI's scheme must name a filesystem fsspec knows and can load (with ``writable``, one a root may
+    live in: ``WRITABLE_SCHEMES``), and it must name a bucket or host; nothing is contacted. ``label`` names
+    the value in the error, e.g. "input checkpoint_uri='...'"."""
+    protocol, _, rest = location.partition("://")
+    if not rest.split("/", 1)[0]:
+        raise LaunchInputError(f"{label}: {location!r} names no bucket: write {protocol}://BUCKET/PATH")
     try:
         fsspec.get_filesystem_class(protocol)
     except ValueError as exc:
@@ -94,6 +104,9 @@ def check_protocol(location: str, label: str) -> None:
     except ImportError as exc:
         raise LaunchInputError(f"{label}: {location!r} needs a filesystem package that is not "
                                f"installed ({exc}): install it in the image, or use s3:// or gs://") from exc
+    if writable and protocol not in WRITABLE_SCHEMES:
+        raise LaunchInputError(f"{label}: {protocol}:// cannot hold checkpoints or models: use a local path "
+                               f"or an object store ({', '.join(s + '://' for s in WRITABLE_SCHEMES[:4])})")
 
 
 def source_origin(source: str, preset_name: str, cfg: Config) -> str:
@@ -122,6 +135,17 @@ def check_source(source: str, origin: str = "input source") -> None:
                "point it at <root>/<class>/<image> files or use a URI (s3://, gs://)")
         raise LaunchInputError(f"{origin}={source!r}: the dataset path {path} does not exist or is not a "
                                f"directory; {fix}")
+
+
+def check_splits(data: DataConfig) -> None:
+    """The workflow validates on the val split and evaluates on the test split: a fraction of 0 would stage
+    an empty one, and the run would fail only after staging (val) or after training (test)."""
+    for name in ("val_fraction", "test_fraction"):
+        if getattr(data, name) == 0:
+            raise LaunchInputError(f"input config_overrides: data.{name}=0 stages an empty "
+                                   f"{name.split('_')[0]} split, which the workflow "
+                                   f"{'validates' if name == 'val_fraction' else 'evaluates'} on: give it a "
+                                   f"fraction above 0, e.g. {DataConfig.__dataclass_fields__[name].default}")
 
 
 def parse_nodes(nnodes: str) -> tuple[int, int]:
@@ -191,6 +215,11 @@ def check_topology(topology: Topology, local_run: bool) -> None:
     if topology.gpus_per_node and topology.nproc_per_node > topology.gpus_per_node:
         raise LaunchInputError(f"input nproc_per_node={topology.nproc_per_node} exceeds gpus_per_node="
                                f"{topology.gpus_per_node}: run one process per GPU")
+    if local_run and backend == "local" and topology.gpus_per_node > torch.cuda.device_count():
+        # it would train on the CPU without a word
+        raise LaunchInputError(f"input gpus_per_node={topology.gpus_per_node}: this machine has "
+                               f"{torch.cuda.device_count()} CUDA device(s): lower gpus_per_node (0 trains "
+                               "on the CPU), or train on a cluster backend")
 
 
 SECRET_NAME = re.compile(r"^[a-z0-9]([-a-z0-9.]{0,251}[a-z0-9])?$")  # a Kubernetes secret's name
@@ -228,6 +257,19 @@ def check_model(cfg: Config) -> None:
         raise LaunchInputError(f"input config_overrides (or preset): {exc}") from exc
 
 
+def check_init_from(cfg: Config, local_run: bool) -> None:
+    """In a local run, a local model.init_from must be a weights file: its header is read (not its tensors),
+    so that a typo fails now and not in the train task after staging. A URI, or a path on a cluster (which
+    the plan pod need not mount), is checked by the train task's preflight."""
+    location = cfg.model.init_from
+    if not location or is_uri(location) or not local_run:
+        return
+    try:
+        read_init_header(location)
+    except InitError as exc:
+        raise LaunchInputError(f"input config_overrides (or preset): {exc}") from exc
+
+
 def check_backend(cfg: Config, topology: Topology, local_run: bool) -> None:
     """An NCCL process group needs GPUs: CUDA on this machine for a local run, gpus_per_node on a cluster."""
     if "nccl" not in cfg.dist.backend:
@@ -249,7 +291,7 @@ def check_checkpoint_uri(checkpoint_uri: str, local_run: bool) -> None:
     if not checkpoint_uri:
         return
     if is_uri(checkpoint_uri):
-        check_protocol(checkpoint_uri, f"input checkpoint_uri={checkpoint_uri!r}")
+        check_protocol(checkpoint_uri, f"input checkpoint_uri={checkpoint_uri!r}", writable=True)
         return
     if not local_run:
         return
@@ -270,7 +312,7 @@ def fingerprint_source(data: DataConfig) -> str:
         raise LaunchInputError(f"input source={data.source!r}: {exc}") from exc
 
 
-def check_slurm(topology: Topology, local_run: bool) -> Topology:
+def check_slurm(topology: Topology, cfg: Config, local_run: bool) -> Topology:
     """Slurm inputs, as given: only with backend='slurm', a target that can be an ssh Host alias or a host
     name, sbatch flags in shell syntax. Nothing is contacted here: a cluster's plan pod need not reach the
     login node, so the connector checks the cluster (reachable, its Slurm commands, the partition's size) at
@@ -295,9 +337,29 @@ def check_slurm(topology: Topology, local_run: bool) -> Topology:
     except ValueError as exc:
         raise LaunchInputError(f"input slurm_sbatch_flags={slurm.sbatch_flags!r} is not valid shell syntax "
                                f"({exc}): quote or escape it, e.g. '--comment=\"two words\"'") from exc
+    check_time_limit(topology, cfg.checkpoint.preemption_grace_s)
     if not slurm.setup and local_run and sys.prefix != sys.base_prefix:
         slurm = replace(slurm, setup=f"source {shlex.quote(sys.prefix)}/bin/activate")
     return replace(topology, slurm=slurm)
+
+
+def check_time_limit(topology: Topology, grace_s: float) -> None:
+    """The job's time limit is one sbatch reads and outlasts the warning signal's lead
+    (:func:`~tasks.slurm.job.warning_lead_s`), or a LaunchInputError naming the inputs and the fix: a job
+    signalled as it starts would save and stop at once, on every retry. Checked from the inputs alone."""
+    text = topology.slurm.time_limit.strip()
+    limit, lead = time_limit_s(text), warning_lead_s(grace_s)
+    if limit is None and text and text.upper() not in ("UNLIMITED", "INFINITE"):
+        raise LaunchInputError(f"input slurm_time_limit={text!r} is not a Slurm time limit: write minutes, "
+                               "M:S, H:M:S, D-H, D-H:M or D-H:M:S (e.g. 2:00:00), or leave it empty for the "
+                               "partition's default")
+    if limit is None or limit > lead:
+        return
+    raise LaunchInputError(
+        f"input slurm_time_limit={topology.slurm.time_limit!r} ({limit} s) is not longer than the warning "
+        f"signal's lead of {lead} s (checkpoint.preemption_grace_s={grace_s:g}, rounded up, plus "
+        f"{SIGNAL_MARGIN_S} s for the agents' shutdown): Slurm would signal the job to save and stop as soon "
+        "as it starts. Raise slurm_time_limit, or lower checkpoint.preemption_grace_s")
 
 
 class RunPlan(NamedTuple):
@@ -322,6 +384,7 @@ def plan_run(source: str, preset: str, config_overrides: str, epochs: int, max_s
     cfg = launch_config(preset, config_overrides, source, epochs, max_steps, parallelism)
     origin = source_origin(source, preset, cfg)
     check_source(cfg.data.source, origin)
+    check_splits(cfg.data)
     requests = check_resources(resources)
     low, high = parse_nodes(nnodes)
     topology = Topology(backend=backend, nnodes=high, min_nnodes=low if low < high else 0,
@@ -336,8 +399,9 @@ def plan_run(source: str, preset: str, config_overrides: str, epochs: int, max_s
     check_store_secret(topology, checkpoint_uri)
     check_backend(cfg, topology, local_run)
     check_model(cfg)
+    check_init_from(cfg, local_run)
     check_checkpoint_uri(checkpoint_uri, local_run)  # it may create the directory
-    topology = check_slurm(topology, local_run)
+    topology = check_slurm(topology, cfg, local_run)
     fingerprint = fingerprint_source(cfg.data)  # last: a large remote folder takes longest
     length = f"{cfg.train.max_steps} steps" if cfg.train.max_steps else f"{cfg.train.epochs} epochs"
     print(f"plan: preset {preset}, source {cfg.data.source} ({origin}; {fingerprint}), "

@@ -26,13 +26,16 @@ from tasks.types import EvalReport, ModelArtifact, Promotion, StagedDataset
 from traincore.artifacts import (
     WEIGHTS_FILE,
     Champion,
+    ExportError,
     Lineage,
     Registry,
+    check_exported,
     evaluate,
     load_exported,
     resolve_champion,
 )
 from traincore.files import sha256_file
+from traincore.run import OutputError, ensure_writable_dir
 
 MODEL_CACHE = NODE_CACHE / "models"  # champions downloaded from an object store
 _EPSILON = 1e-12  # accuracies are ratios of counts: equal figures must compare equal
@@ -100,15 +103,22 @@ def filesystem(location: str) -> fsspec.AbstractFileSystem:
 
 
 def check_promoted_uri(promoted_uri: str, local_run: bool) -> None:
-    """An object-store prefix must have a known scheme; a local path is durable only in a local run."""
+    """An object-store prefix must name a store; a local path is durable only in a local run, and there must
+    be a directory this process can write (created if missing), so that a mistyped registry fails now, not
+    after training."""
     if is_uri(promoted_uri):
-        check_protocol(promoted_uri, f"input promoted_uri={promoted_uri!r}")
+        check_protocol(promoted_uri, f"input promoted_uri={promoted_uri!r}", writable=True)
     elif not promoted_uri:
         raise LaunchInputError("input promoted_uri is empty: give the registry's directory or object-store "
                                "prefix, e.g. s3://bucket/models/digits")
     elif not local_run:
         raise LaunchInputError(f"input promoted_uri={promoted_uri!r} is a local path, which a pod loses when "
                                "it ends: give an object-store prefix, e.g. s3://bucket/models/digits")
+    else:
+        try:
+            ensure_writable_dir(local_path(promoted_uri), "registry directory", "promoted_uri")
+        except OutputError as exc:
+            raise LaunchInputError(f"input promoted_uri={promoted_uri!r}: {exc}") from exc
 
 
 def _is_local_run() -> bool:
@@ -124,10 +134,16 @@ def check_champion(champion: str | None, local_run: bool) -> None:
         return
     path = local_path(champion).expanduser()
     weights = path if path.name == WEIGHTS_FILE else path / WEIGHTS_FILE
-    if local_run and not weights.is_file():
+    if not local_run:
+        return
+    if not weights.is_file():
         raise LaunchInputError(f"input champion={champion!r} holds no {WEIGHTS_FILE}: give an export "
                                "directory or a registry version directory, or leave champion empty to use "
                                "the registry's latest")
+    try:
+        check_exported(weights)
+    except ExportError as exc:
+        raise LaunchInputError(f"input champion={champion!r}: {exc}") from exc
 
 
 @task

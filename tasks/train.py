@@ -35,6 +35,7 @@ from torch.distributed.elastic.multiprocessing.api import SignalException
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 from torch.distributed.elastic.rendezvous.api import RendezvousError
 
+from tasks.errors import UserFacingError
 from tasks.failures import STDERR_DIR_ENV, captured_stderr, first_failure, vanished_workers
 from tasks.rendezvous import rendezvous_failure
 from tasks.resources import CACHE_MARGIN, gib, quantity
@@ -219,6 +220,11 @@ class TopologyTaskMixin:
         return self.task_function.__module__
 
 
+class PreflightError(UserFacingError):
+    """The run's config does not fit its data, model, machine or outputs: preflight's message, which names
+    the problem and the fix (traincore.run.preflight), shown by ``pyflyte run`` without a traceback."""
+
+
 class WorkerGroupFailed(RuntimeError):
     """Training workers failed: the first failure, its stderr's last lines, then torch elastic's report."""
 
@@ -252,9 +258,12 @@ class ElasticTrainTask(TopologyTaskMixin, PytorchElasticFunctionTask):
         root = kwargs["checkpoint_root"]
         os.environ[STORE_SECRET_ENV] = self.topology.store_secret  # for the workers, which inherit it
         store = checkpoint_store(root, self.topology.store_secret)
-        preflight(kwargs["config"], dataset_location(kwargs["dataset"].directory, self.topology.store_secret),
-                  Path(flytekit.current_context().working_directory) / "run", store,
-                  world_size=self.topology.nnodes * self.topology.nproc_per_node)
+        dataset = dataset_location(kwargs["dataset"].directory, self.topology.store_secret)
+        try:
+            preflight(kwargs["config"], dataset, Path(flytekit.current_context().working_directory) / "run",
+                      store, world_size=self.topology.nnodes * self.topology.nproc_per_node)
+        except ValueError as exc:  # every one of preflight's refusals names the input and the fix
+            raise PreflightError(str(exc)) from None
         try:
             return self._train(**kwargs)
         except (IgnoreOutputs, FlyteRecoverableException) as exc:

@@ -36,6 +36,11 @@ LOCAL_SEARCHES = Path("~/.cache/flyte-torch-pipeline/searches")
 """Where a local search without checkpoint_uri keeps its root, by its spec: the same command finds it."""
 
 
+# Each trial of the first rung is a training run (a node of the search's sub-workflow), and Optuna draws the
+# whole first rung up front: a million trials would take the planner minutes just to draw.
+MAX_TRIALS = 1000
+
+
 def check_search_inputs(config: Config, trials: int, parallel: int, rungs: int, reduction: int,
                         metric: str) -> tuple[list[int], list[int]]:
     """The rung budgets and sizes; LaunchInputError naming the input and the fix for anything a search
@@ -44,6 +49,9 @@ def check_search_inputs(config: Config, trials: int, parallel: int, rungs: int, 
         raise LaunchInputError(f"input metric={metric!r} is not one of {', '.join(VALIDATION_METRICS)}")
     if trials < 1:
         raise LaunchInputError(f"input trials={trials}: a search needs at least one trial")
+    if trials > MAX_TRIALS:
+        raise LaunchInputError(f"input trials={trials}: at most {MAX_TRIALS} trials, each a training run of "
+                               "its own in the first rung: narrow the search space, or search in stages")
     if not 1 <= parallel <= trials:
         raise LaunchInputError(f"input parallel={parallel}: at most that many trials train at a time, so it "
                                f"must be between 1 and trials={trials}")
@@ -61,7 +69,7 @@ def _search_root(checkpoint_uri: str, key: str) -> str:
     local = FlyteContextManager.current_context().execution_state.is_local_execution()
     if checkpoint_uri:
         if is_uri(checkpoint_uri):
-            check_protocol(checkpoint_uri, f"input checkpoint_uri={checkpoint_uri!r}")
+            check_protocol(checkpoint_uri, f"input checkpoint_uri={checkpoint_uri!r}", writable=True)
         return checkpoint_uri.rstrip("/")
     if local:
         return str(LOCAL_SEARCHES.expanduser() / key)

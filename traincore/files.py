@@ -7,12 +7,34 @@ place.
 
 from __future__ import annotations
 
+import argparse
 import hashlib
 import os
 import uuid
 from pathlib import Path
 
 _BLOCK = 8 << 20
+
+
+def path_argument(text: str) -> str:
+    """argparse's ``type`` for a path or URI flag: an empty value (an unset shell variable, most likely)
+    would mean the current directory, which is never what was meant, so it is refused; so is a URI whose
+    scheme fsspec does not know or that names no bucket (``s3://`` would be the local directory ``s3:``)."""
+    if not text.strip():
+        raise argparse.ArgumentTypeError("is empty: give a path or URI (is a shell variable unset?)")
+    protocol, uri, rest = text.partition("://")
+    if not uri or protocol == "file":
+        return text
+    if not rest.split("/", 1)[0]:
+        raise argparse.ArgumentTypeError(f"{text!r} names no bucket: write {protocol}://BUCKET/PATH")
+    import fsspec  # only for a URI: most runs read local paths
+
+    try:
+        fsspec.get_filesystem_class(protocol)
+    except (ValueError, ImportError) as exc:
+        raise argparse.ArgumentTypeError(f"{text!r}: fsspec cannot open {protocol}:// ({exc}): use a local "
+                                         "path or an object-store URI such as s3://bucket/path") from exc
+    return text
 
 
 def fsync_path(path: str | Path) -> None:

@@ -12,6 +12,7 @@ import time
 
 from traincore.config import ConfigError, DataConfig
 from traincore.data import StagingError, directory_bytes, stage, summary
+from traincore.files import path_argument
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -21,7 +22,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--source", required=True,
                         help="digits | synthetic | imagefolder:<path-or-URI> (file://, s3://, gs://...) | "
                              "python:<module>:<callable> (a dataset factory of yours)")
-    parser.add_argument("--output", required=True, help="directory to create (published atomically)")
+    parser.add_argument("--output", required=True, type=path_argument,
+                        help="directory to create (published atomically)")
     parser.add_argument("--image-size", type=int, default=defaults.image_size, help="square side in pixels")
     parser.add_argument("--channels", type=int, default=defaults.channels, choices=(1, 3))
     parser.add_argument("--seed", type=int, default=defaults.seed, help="split and synthetic-data seed")
@@ -37,7 +39,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--partitions", type=int, default=1,
                         help="stage in this many partitions in parallel processes, each a run of whole "
                              "shards (the same bytes as one); 0 = one per 4 GiB of staged pixels")
-    parser.add_argument("--overwrite", action="store_true", help="replace an existing, different staging")
+    parser.add_argument("--overwrite", action="store_true",
+                        help="replace an existing, different staging (never a directory of other files)")
     return parser.parse_args(argv)
 
 

@@ -43,16 +43,13 @@ from flytekit.models.literals import LiteralMap
 from flytekit.models.task import Resources, TaskTemplate
 from rich.markup import escape
 
-from tasks.plan import LaunchInputError
+from tasks.plan import LaunchInputError, check_time_limit
 from tasks.slurm.client import NodeSize, SlurmClient
 from tasks.slurm.job import (
-    SIGNAL_MARGIN_S,
     NodeRequest,
     batch_script,
     node_request,
     sbatch_args,
-    time_limit_s,
-    warning_lead_s,
 )
 from tasks.slurm.report import JobEnd, failure_message, headline, success_message
 from tasks.slurm.ssh import SlurmConnectionError, SlurmTarget
@@ -147,20 +144,6 @@ async def check_cluster(client: SlurmClient, topology: Topology, request: NodeRe
         raise LaunchInputError(f"input nnodes={topology.nnodes} exceeds the {nodes} node(s) of {where} on "
                                f"{slurm.target}: lower nnodes or choose a larger slurm_partition")
     check_node_size(await client.node_sizes(slurm.partition or None), topology, request)
-
-
-def check_time_limit(topology: Topology, grace_s: float) -> None:
-    """The job's time limit outlasts the warning signal's lead (:func:`~tasks.slurm.job.warning_lead_s`),
-    or a LaunchInputError naming both inputs and the fix: a job signalled as it starts would save and stop
-    at once, on every retry."""
-    limit, lead = time_limit_s(topology.slurm.time_limit), warning_lead_s(grace_s)
-    if limit is None or limit > lead:
-        return
-    raise LaunchInputError(
-        f"input slurm_time_limit={topology.slurm.time_limit!r} ({limit} s) is not longer than the warning "
-        f"signal's lead of {lead} s (checkpoint.preemption_grace_s={grace_s:g}, rounded up, plus "
-        f"{SIGNAL_MARGIN_S} s for the agents' shutdown): Slurm would signal the job to save and stop as soon "
-        "as it starts. Raise slurm_time_limit, or lower checkpoint.preemption_grace_s")
 
 
 def check_node_size(sizes: list[NodeSize], topology: Topology, request: NodeRequest) -> None:

@@ -89,6 +89,9 @@ def test_missing_dataset_path_is_named(tmp_path):
     (dict(accelerator="nvidia-tesla-a100"), True,
      r"input accelerator='nvidia-tesla-a100' needs gpus_per_node"),
     (dict(gpus_per_node=2, nproc_per_node=4), True, r"input nproc_per_node=4 exceeds gpus_per_node=2"),
+    (dict(gpus_per_node=64, nproc_per_node=1), True,
+     r"input gpus_per_node=64: this machine has \d+ CUDA device\(s\): lower gpus_per_node \(0 trains on the "
+     r"CPU\)"),
 ])
 def test_bad_topology_is_named(changes, local_run, message):
     with pytest.raises(LaunchInputError, match=message):
@@ -136,6 +139,14 @@ def test_plan_task_runs_locally_and_rejects_multi_node():
     ('{"optim": {"param_groups": [{"pattern": "backbone.*", "freeze": true}]}}',
      r"input config_overrides \(or preset\): optim.param_groups\[0\] pattern 'backbone.\*' matches no "
      r"parameter of the model"),
+    # Once refused only by the evaluation, after staging and training (val: after staging).
+    ('{"data": {"test_fraction": 0.0}}', r"input config_overrides: data.test_fraction=0 stages an empty test "
+     r"split, which the workflow evaluates on: give it a fraction above 0, e.g. 0.1"),
+    ('{"data": {"val_fraction": 0}}', r"data.val_fraction=0 stages an empty val split, which the workflow "
+     r"validates on"),
+    # Once refused by the train task's preflight, after staging.
+    ('{"model.init_from": "/nonexistent/w.safetensors"}', r"input config_overrides \(or preset\): "
+     r"model.init_from='/nonexistent/w.safetensors' does not exist: pass the path or URI of the weights"),
 ])
 def test_config_that_cannot_run_is_refused_in_the_plan(overrides, message):
     with pytest.raises(LaunchInputError, match=message):
@@ -165,6 +176,13 @@ def test_checkpoint_uri_is_checked_before_anything_runs(tmp_path):
     check_checkpoint_uri(str(tmp_path / "new" / "root"), local_run=True)  # created, proven writable
     assert (tmp_path / "new" / "root").is_dir() and not any((tmp_path / "new" / "root").iterdir())
     check_checkpoint_uri("s3://bucket/run", local_run=True)  # a known scheme: nothing is contacted
+    # Known to fsspec but no store (it would fail after training, in a botocore or socket traceback):
+    with pytest.raises(LaunchInputError, match=r"input checkpoint_uri='ftp://host/ck': ftp:// cannot hold "
+                                               r"checkpoints or models: use a local path or an object store"):
+        check_checkpoint_uri("ftp://host/ck", local_run=True)
+    with pytest.raises(LaunchInputError, match=r"input checkpoint_uri='s3://': 's3://' names no bucket: "
+                                               r"write s3://BUCKET/PATH"):
+        check_checkpoint_uri("s3://", local_run=True)
     check_checkpoint_uri(str(tmp_path / "file"), local_run=False)  # a cluster's plan pod need not mount it
 
 
@@ -234,6 +252,9 @@ def test_slurm_inputs_are_checked_as_given_without_contacting_the_cluster():
         plan_run(**slurm | dict(slurm_target="two words"))
     with pytest.raises(LaunchInputError, match=r"input slurm_sbatch_flags='--comment=.open' is not valid"):
         plan_run(**slurm | dict(slurm_sbatch_flags='--comment="open'))
+    # The time limit, from the inputs alone: once refused only at submission, after staging.
+    with pytest.raises(LaunchInputError, match=r"input slurm_time_limit='0:30' \(30 s\) is not longer than"):
+        plan_run(**slurm | dict(slurm_time_limit="0:30"))
 
 
 @pytest.mark.parametrize("changes, message", [

@@ -8,6 +8,7 @@ import os
 import signal
 from dataclasses import replace
 
+import click
 import flytekit
 import pytest
 from flytekit import FlyteContextManager
@@ -79,8 +80,10 @@ def test_bad_config_fails_before_any_worker_starts(monkeypatch, dataset, tmp_pat
 
     monkeypatch.setattr(PytorchElasticFunctionTask, "execute", launched)
     too_big = preset("debug").with_overrides({"loader.batch_size": 500})
-    with pytest.raises(ValueError, match="loader.batch_size=500 exceeds the 80 training samples"):
+    with pytest.raises(ValueError, match="loader.batch_size=500 exceeds the 80 training samples") as caught:
         train_task.execute(config=too_big, dataset=dataset, checkpoint_root=str(tmp_path))
+    # pyflyte run shows it as its message alone, not after a 60-line traceback (tasks/errors.py)
+    assert isinstance(caught.value, click.ClickException), type(caught.value)
 
 
 def test_one_task_per_topology_with_matching_elastic_config():

@@ -59,6 +59,31 @@ def test_existing_different_staging_needs_overwrite(tmp_path, capsys):
     assert Manifest.load(tmp_path / "d").seed == 1
 
 
+def test_overwrite_replaces_only_a_staging_never_other_files(tmp_path, capsys, monkeypatch):
+    """--overwrite once replaced any directory (and a file) with the staging, and the refusal without it
+    suggested --overwrite; an empty --output meant the current directory."""
+    own = tmp_path / "own"
+    own.mkdir()
+    (own / "notes.txt").write_text("precious")
+    (tmp_path / "afile").write_text("x")
+    common = ["--source", "synthetic", "--samples", "40", "--image-size", "4"]
+    for output, what in ((own, "a directory of other files"), (tmp_path / "afile", "a file")):
+        for overwrite in ([], ["--overwrite"]):
+            assert main([*common, "--output", str(output), *overwrite]) == 2
+            err = capsys.readouterr().err
+            assert err.startswith(f"error: {output} is {what}, not a staging (no manifest.json): staging "
+                                  "there would replace it; choose a new or empty --output (--overwrite "
+                                  "replaces only an earlier staging)"), err
+    assert (own / "notes.txt").read_text() == "precious" and (tmp_path / "afile").read_text() == "x"
+    monkeypatch.chdir(own)
+    with pytest.raises(SystemExit) as exited:
+        main([*common, "--output", "", "--overwrite"])
+    assert exited.value.code == 2
+    assert "argument --output: is empty: give a path or URI" in capsys.readouterr().err
+    assert sorted(path.name for path in own.iterdir()) == ["notes.txt"]
+    assert main([*common, "--output", str(tmp_path / "empty")]) == 0  # absent, or empty: staged
+
+
 def test_a_grown_imagefolder_is_staged_again_in_place(image_folder_factory, tmp_path, capsys):
     root = image_folder_factory(per_class=3, classes=2)
     output = tmp_path / "d"

@@ -103,3 +103,19 @@ def test_bad_promotion_inputs_fail_before_anything_stages(tmp_path, monkeypatch)
         retrain_and_promote(source="synthetic", preset="debug", warm_start=True, promoted_uri=str(tmp_path),
                             config_overrides='{"model": {"init_from": "/models/model.safetensors"}}')
     assert not any(tmp_path.iterdir())  # no registry was created
+    # Each of these once trained and evaluated first, then failed in the promotion with a traceback.
+    (tmp_path / "afile").write_text("x")
+    with pytest.raises(Exception, match=r"input promoted_uri='.*afile': registry directory .*afile is a "
+                                        "file, not a directory: set promoted_uri to a directory you can "
+                                        "write to"):
+        retrain_and_promote(source="synthetic", preset="debug", promoted_uri=str(tmp_path / "afile"))
+    with pytest.raises(Exception, match="input promoted_uri='ftp://host/reg': ftp:// cannot hold checkpoints "
+                                        "or models"):
+        retrain_and_promote(source="synthetic", preset="debug", promoted_uri="ftp://host/reg")
+    fake = tmp_path / "fake"
+    fake.mkdir()
+    (fake / "model.safetensors").write_bytes(b"not a model")
+    with pytest.raises(Exception, match=f"input champion='{fake}': .*model.json"):
+        retrain_and_promote(source="synthetic", preset="debug", champion=str(fake),
+                            promoted_uri=str(tmp_path / "registry"))
+    assert not (tmp_path / "registry").exists()

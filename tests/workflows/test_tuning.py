@@ -85,6 +85,9 @@ def test_a_search_spends_half_the_steps_resumes_its_promoted_trials_and_exports_
     ({"search_space": '{"optim.lr": {"low": 0, "high": 0.1, "log": true}}'}, "a log range needs low > 0"),
     ({"search_space": '{"model.width": {"choices": []}}'}, "choices must be a non-empty list"),
     ({"search_space": '{"optim.lr": {"choices": [0.1, 20]}}'}, "the value 20 is not valid: optim.lr=20"),
+    ({"search_space": '{"data.image_size": {"choices": [16, 32]}}'},
+     "search_space key 'data.image_size' cannot differ between trials"),
+    ({"trials": 1_000_000, "parallel": 1}, "input trials=1000000: at most 1000 trials"),
     ({"parallel": 9}, "input parallel=9: at most that many trials train at a time, so it must be between 1 "
                       "and trials=8"),
     ({"rungs": 6}, "give the first rung max_steps / 32 = 0.5 steps: lower rungs, or raise max_steps to at "

@@ -11,12 +11,20 @@ Other packages import from here, never from the modules.
 """
 
 from traincore.artifacts.evaluate import EvalResult, evaluate, format_result
-from traincore.artifacts.export import WEIGHTS_FILE, ExportResult, export, load_exported
+from traincore.artifacts.export import (
+    WEIGHTS_FILE,
+    ExportError,
+    ExportResult,
+    check_exported,
+    export,
+    load_exported,
+)
 from traincore.artifacts.lineage import LINEAGE_FILE, Lineage, metric_summary, with_test
 from traincore.artifacts.registry import Champion, Registry, resolve_champion
 
 __all__ = [
-    "Champion", "EvalResult", "evaluate", "export", "ExportResult", "format_result", "Lineage",
+    "Champion", "check_exported", "EvalResult", "evaluate", "export", "ExportError", "ExportResult",
+    "format_result", "Lineage",
     "LINEAGE_FILE", "load_exported", "metric_summary", "Registry", "resolve_champion", "WEIGHTS_FILE",
     "with_test",
 ]

@@ -44,7 +44,7 @@ from traincore.checkpoint import (
     verify_checkpoint,
 )
 from traincore.config import VALIDATION_METRICS, ModelConfig
-from traincore.files import publish, sha256_file, write_atomically
+from traincore.files import path_argument, publish, sha256_file, write_atomically
 from traincore.model import ModelImportError, build_model, check_trusted, parameter_count
 
 
@@ -317,6 +317,20 @@ def load_exported(path: str | Path, trust_model: bool | str = False) -> tuple[nn
     is missing, damaged or not what traincore.export writes, or if the file's sha256 differs.
     ``trust_model``: as for :func:`export`; refused before any of the model's code is imported."""
     path, config_path = Path(path), config_path_for(path)
+    config = check_exported(path)
+    check_trusted(config["model"].get("name", ""), trust_model, f"exported model {path}")
+    digest = sha256_file(path)
+    if digest != config["sha256"]:
+        raise ExportError(f"{path} has sha256 {digest[:16]}..., but {config_path} records "
+                          f"{config['sha256'][:16]}...: the file is corrupt or was replaced; export it again")
+    return _load(path, config, str(path)), config
+
+
+def check_exported(path: str | Path) -> dict:
+    """The JSON config of the exported model at ``path``, read without its tensors or its code: ExportError
+    naming the file and the fix unless both files are there, the config complete and the weights file starts
+    as a safetensors file (a cheap check of a model given as an input, before anything trains)."""
+    path, config_path = Path(path), config_path_for(path)
     again = f"export it again: python -m traincore.export --checkpoint DIR --output {path}"
     if path.is_dir():
         raise ExportError(directory_problem(path))
@@ -326,13 +340,8 @@ def load_exported(path: str | Path, trust_model: bool | str = False) -> tuple[nn
     if not path.is_file() or not config_path.is_file():
         raise ExportError(missing_problem(path, config_path))
     config = _read_config(config_path, again)
-    check_trusted(config["model"].get("name", ""), trust_model, f"exported model {path}")
     _check_safetensors(path)
-    digest = sha256_file(path)
-    if digest != config["sha256"]:
-        raise ExportError(f"{path} has sha256 {digest[:16]}..., but {config_path} records "
-                          f"{config['sha256'][:16]}...: the file is corrupt or was replaced; export it again")
-    return _load(path, config, str(path)), config
+    return config
 
 
 def _read_config(config_path: Path, again: str) -> dict:
@@ -384,8 +393,10 @@ def trust_from_args(args: argparse.Namespace) -> bool | str:
 def main(argv: list[str] | None = None) -> int:
     """CLI: export and print one summary line; exit code 2 for a missing or unusable checkpoint."""
     parser = argparse.ArgumentParser(prog="python -m traincore.export", description=__doc__.splitlines()[0])
-    parser.add_argument("--checkpoint", required=True, help="a step directory or a checkpoints root")
-    parser.add_argument("--output", required=True, help="where to write model.safetensors")
+    parser.add_argument("--checkpoint", required=True, type=path_argument,
+                        help="a step directory or a checkpoints root")
+    parser.add_argument("--output", required=True, type=path_argument,
+                        help="where to write model.safetensors")
     parser.add_argument("--dtype", default="float32", choices=list(EXPORT_DTYPES),
                         help="what the floating-point weights are stored as (default float32)")
     parser.add_argument("--select", default="best", choices=list(SELECTIONS),

@@ -17,7 +17,7 @@ from traincore.checkpoint.errors import CheckpointError, CorruptCheckpointError
 from traincore.checkpoint.format import SavedState
 from traincore.checkpoint.layout import MARKER, complete_steps, foreign_entries, step_store, torn_steps
 from traincore.checkpoint.store import Store
-from traincore.config import model_identity
+from traincore.config import model_identity, optimizer_identity
 
 FRESH = "or start fresh with --resume none / checkpoint.resume='none' or another checkpoint directory"
 
@@ -86,15 +86,18 @@ class RunFit:
     """The staged samples' shape (C, H, W)."""
     train_samples: int | None
     """Samples in the training split: the loader's place in the epoch carries over only between equals."""
+    optimizer: dict[str, Any] | None = None
+    """The optim config fields that decide its state (:func:`traincore.config.schema.optimizer_identity`)."""
 
     @classmethod
     def of_state(cls, shared: dict[str, Any]) -> RunFit:
         """Of a run's shared state, saved or live: its ``run`` record and its loader's position."""
         run = shared.get("run", {})
-        model = run.get("config", {}).get("model")
+        model, optim = run.get("config", {}).get("model"), run.get("config", {}).get("optim")
         classes, shape = run.get("classes"), run.get("shape")
         return cls(model_identity(model) if model else None, list(classes) if classes is not None else None,
-                   list(shape) if shape is not None else None, shared.get("loader", {}).get("num_samples"))
+                   list(shape) if shape is not None else None, shared.get("loader", {}).get("num_samples"),
+                   optimizer_identity(optim) if optim else None)
 
 
 def check_fit(directory: Store, saved: SavedState, run: RunFit, data: str = "this run's data",
@@ -115,6 +118,10 @@ def check_fit(directory: Store, saved: SavedState, run: RunFit, data: str = "thi
             f"{problem}: it was trained on data of {_classes(theirs.classes or [])} and shape "
             f"{tuple(theirs.shape or ())}, but {data} holds {_classes(run.classes or [])} of shape "
             f"{tuple(run.shape or ())}: train on data staged as that run's was, {FRESH}")
+    if _differs(theirs.optimizer, run.optimizer):  # its state would not load: another set of tensors
+        raise CheckpointError(f"{problem}: its optimizer state was written by optimizer {theirs.optimizer}, "
+                              f"this run's is {run.optimizer} (optim.name, and the patterns of frozen "
+                              f"optim.param_groups): resume with that run's, {FRESH}")
     if _differs(theirs.train_samples, run.train_samples):
         raise CheckpointError(f"{problem}: it was saved by a run over {theirs.train_samples} training "
                               f"samples, but {data} has {run.train_samples} (its place in the epoch would "

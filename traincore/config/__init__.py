@@ -23,11 +23,12 @@ from traincore.config.schema import (
     TelemetryConfig,
     is_imported_model,
     model_identity,
+    optimizer_identity,
     parse_source,
 )
 
 __all__ = [
     "build_config", "CheckpointConfig", "Config", "ConfigError", "DataConfig", "DistConfig",
-    "is_imported_model", "LoaderConfig", "model_identity", "ModelConfig", "OWN_MODELS", "PARALLELISMS",
-    "parse_source", "preset", "PRESETS", "TelemetryConfig", "VALIDATION_METRICS",
+    "is_imported_model", "LoaderConfig", "model_identity", "ModelConfig", "optimizer_identity", "OWN_MODELS",
+    "PARALLELISMS", "parse_source", "preset", "PRESETS", "TelemetryConfig", "VALIDATION_METRICS",
 ]

@@ -217,14 +217,19 @@ class DataConfig:
         example = f"e.g. {IMAGENET_MEAN} and {IMAGENET_STD} (ImageNet's)"
         _check(bool(self.mean) == bool(self.std), "data.mean/data.std", (self.mean, self.std),
                f"set both or neither, {example}")
-        for name, low in (("mean", -math.inf), ("std", 0.0)):
+        # Statistics of pixels scaled to [0, 1] (0-255 figures are the usual slip): a mean in [0, 1], a std in
+        # (0, 1]
+        for name, fits in (("mean", lambda v: 0.0 <= v <= 1.0), ("std", lambda v: 0.0 < v <= 1.0)):
             values = getattr(self, name)
             numbers = all(isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
-                          and v > low for v in values)
+                          and fits(v) for v in values)
+            within = "[0, 1]" if name == "mean" else "(0, 1]"
             _check(numbers, f"data.{name}", values,
-                   f"expected a list of {'positive ' if low == 0 else ''}numbers, one per channel, {example}")
+                   f"expected a list of numbers in {within}, one per channel, of pixels scaled to [0, 1] "
+                   f"(not 0-255), {example}")
             _check(not values or len(values) == self.channels, f"data.{name}", values,
-                   f"needs one value per channel: data.channels is {self.channels}")
+                   f"needs one value per channel: data.channels is {self.channels} (set data.channels "
+                   "to the staged data's channels too)")
 
 
 @dataclass
@@ -342,6 +347,14 @@ def model_identity(model: dict[str, Any]) -> dict[str, Any]:
     if isinstance(model.get("name"), str) and is_imported_model(model["name"]):
         identity["kwargs"] = model.get("kwargs", {})
     return identity
+
+
+def optimizer_identity(optim: dict[str, Any]) -> dict[str, Any]:
+    """The fields of an optim config (as ``to_dict`` writes it) that decide the optimizer's state tensors:
+    its name and the parameters it leaves out (frozen param_groups' patterns)."""
+    frozen = sorted(group.get("pattern", "") for group in optim.get("param_groups", [])
+                    if isinstance(group, dict) and group.get("freeze"))
+    return {"name": optim.get("name"), "frozen": frozen}
 
 
 @dataclass
@@ -712,13 +725,17 @@ def _nest(overrides: dict[str, Any]) -> dict[str, dict[str, Any]]:
         section, dot, name = key.partition(".") if isinstance(key, str) else (key, "", "")
         if section not in _SECTIONS:
             raise ConfigError(f"unknown config section {section!r}; sections are {', '.join(_SECTIONS)}")
-        if dot:
-            nested.setdefault(section, {})[name] = value
-        elif isinstance(value, dict):
-            nested.setdefault(section, {}).update(value)
-        else:
+        if not dot and not isinstance(value, dict):
             raise ConfigError(f"config section {key!r} must be an object of fields, got {value!r}; write "
                               'e.g. {"loader": {"batch_size": 32}}')
+        fields = {name: value} if dot else value
+        # {"optim.lr": 0.01, "optim": {"lr": 0.02}} gives one field twice: which one won would be an
+        # accident of the JSON's key order
+        twice = sorted(set(fields) & set(nested.get(section, {})))
+        if twice:
+            raise ConfigError(f"{section}.{twice[0]} is given twice (as a dotted key and inside "
+                              f"{section!r}): give it once")
+        nested.setdefault(section, {}).update(fields)
     return nested
 
 

@@ -31,7 +31,7 @@ import torch
 
 from traincore.config import LoaderConfig
 from traincore.data.augment import Augmenter
-from traincore.data.manifest import Manifest, StagingError, check_size, read_labels, verify_images
+from traincore.data.manifest import RESTAGE, Manifest, StagingError, check_size, read_labels, verify_images
 from traincore.data.stream import Batch, StreamedSplit
 
 log = logging.getLogger(__name__)
@@ -51,7 +51,7 @@ class StagedSplit:
         self.mean, self.std = normalization or (self.manifest.mean, self.manifest.std)
         if split not in self.manifest.splits:
             raise StagingError(f"split {split!r} is not in {directory}; it has "
-                               f"{', '.join(self.manifest.splits)}")
+                               f"{', '.join(self.manifest.splits)}: {RESTAGE}")
         self.split = split
         info = self.manifest.splits[split]
         if info.count == 0:

@@ -261,6 +261,8 @@ def stage(cfg: DataConfig, output: str | Path, overwrite: bool = False, *, repla
     """
     check_partitions(partitions)
     output = Path(output)
+    if not replace_unusable:
+        _check_replaceable(output)
     source, fingerprint = open_source(cfg, progress, storage_options)
     partitions = choose_partitions(cfg, source.counts, partitions)
     if output.exists() and not overwrite:
@@ -334,6 +336,19 @@ def _publish(tmp: Path, output: Path, manifest: Manifest) -> None:
             old.unlink()
     else:
         publish_directory(tmp, output)
+
+
+def _check_replaceable(output: Path) -> None:
+    """StagingError unless ``output`` is absent, an empty directory or a staging (it has a manifest): a
+    staging in its place replaces the whole directory, so anything else there (a file, a folder of one's own
+    files, the current directory) is refused, with --overwrite too."""
+    if not output.exists():
+        return
+    if output.is_dir() and ((output / MANIFEST).is_file() or not any(output.iterdir())):
+        return
+    what = "a directory of other files" if output.is_dir() else "a file"
+    raise StagingError(f"{output} is {what}, not a staging (no {MANIFEST}): staging there would replace it; "
+                       "choose a new or empty --output (--overwrite replaces only an earlier staging)")
 
 
 def _reusable(output: Path, cfg: DataConfig, fingerprint: str, replace_unusable: bool) -> Manifest | None:

@@ -32,6 +32,7 @@ from traincore.checkpoint import CheckpointError, as_store, complete_steps
 from traincore.config import PARALLELISMS, PRESETS, Config, ConfigError, build_config
 from traincore.data import Manifest, StagingError
 from traincore.exitcodes import PREEMPTED_EXIT_CODE
+from traincore.files import path_argument
 from traincore.run.launch import (
     launch_local,
     name_worker,
@@ -49,10 +50,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     """The CLI's flags."""
     parser = argparse.ArgumentParser(prog="python -m traincore.train", description=(
         "Train on a staged dataset: one process, N local workers, or torchrun's ranks."))
-    parser.add_argument("--data", required=True,
+    parser.add_argument("--data", required=True, type=path_argument,
                         help="staged dataset (python -m traincore.stage): a directory, or an object-store "
                              "URI such as s3://bucket/staged/digits (streamed; see loader.cache_bytes)")
-    parser.add_argument("--output", required=True,
+    parser.add_argument("--output", required=True, type=path_argument,
                         help="run directory: checkpoints, TensorBoard, metrics.jsonl")
     parser.add_argument("--preset", default="digits", choices=sorted(PRESETS), help="starting config")
     parser.add_argument("--config", default="",
@@ -67,7 +68,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--parallelism", choices=PARALLELISMS,
                         help="ddp: replicate the model on every rank; fsdp: shard parameters, gradients and "
                              "optimizer state across ranks (FSDP2)")
-    parser.add_argument("--checkpoint-dir", help="checkpoint root (default <output>/checkpoints)")
+    parser.add_argument("--checkpoint-dir", type=path_argument,
+                        help="checkpoint root (default <output>/checkpoints)")
     parser.add_argument("--resume", help="'latest' (default), 'none' or a step number")
     parser.add_argument("--seed", type=int, help="training seed (model init and data order)")
     parser.add_argument("--nproc-per-node", type=int,

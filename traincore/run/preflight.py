@@ -26,7 +26,14 @@ from traincore.checkpoint import (
     read_marker,
     step_store,
 )
-from traincore.config import OWN_MODELS, Config, ModelConfig, is_imported_model, model_identity
+from traincore.config import (
+    OWN_MODELS,
+    Config,
+    ModelConfig,
+    is_imported_model,
+    model_identity,
+    optimizer_identity,
+)
 from traincore.data import Manifest, verify_staging, verify_streamed
 from traincore.imports import no_exit
 from traincore.model import (
@@ -65,8 +72,11 @@ def preflight(cfg: Config, data_dir: str | Path | Store, output_dir: str | Path 
                 verify_streamed(data, cfg.loader))
     data_dir = data.uri  # how the messages below name it
     train_count = manifest.splits["train"].count
+    if cfg.train.overfit > train_count:  # capped in silence, it would train on all and validate on train
+        raise ValueError(f"train.overfit={cfg.train.overfit} exceeds the {train_count} training samples in "
+                         f"{data_dir}: give at most {train_count}, or 0 to train on the whole split")
     if cfg.train.overfit:
-        train_count = min(train_count, cfg.train.overfit)
+        train_count = cfg.train.overfit
     if cfg.loader.drop_last and train_count < cfg.loader.batch_size:
         subset = f" (train.overfit={cfg.train.overfit})" if cfg.train.overfit else ""
         raise ValueError(f"loader.batch_size={cfg.loader.batch_size} exceeds the {train_count} training "
@@ -92,8 +102,12 @@ def preflight(cfg: Config, data_dir: str | Path | Store, output_dir: str | Path 
     root = as_store(checkpoint_dir) if checkpoint_dir is not None else None
     if output_dir is not None:
         output_dir = Path(output_dir)
-        ensure_writable_dir(output_dir, "output directory", "--output")
         root = as_store(checkpoint_dir or output_dir / "checkpoints")
+        if data.local:
+            check_outside_data(data.path, output_dir, "output directory", "--output")
+            if root.local:
+                check_outside_data(data.path, root.path, "checkpoint directory", "--checkpoint-dir")
+        ensure_writable_dir(output_dir, "output directory", "--output")
         if root.local:
             ensure_writable_dir(root.path, "checkpoint directory", "--checkpoint-dir or checkpoint_uri")
         else:
@@ -108,6 +122,15 @@ def preflight(cfg: Config, data_dir: str | Path | Store, output_dir: str | Path 
 
 class OutputError(ValueError):
     """An output location cannot be written; the message names it and the fix."""
+
+
+def check_outside_data(data: Path, path: Path, what: str, option: str) -> None:
+    """OutputError when ``path`` is the staged dataset ``data`` or inside it: a run's files would mix with
+    the staging's (and a restaging would delete them)."""
+    data, where = data.resolve(), Path(path).resolve()
+    if where == data or data in where.parents:
+        raise OutputError(f"{what} {path} is inside the staged dataset {data}: set {option} to a directory "
+                          "outside it")
 
 
 def ensure_writable_dir(path: str | Path, what: str, option: str) -> Path:
@@ -184,6 +207,11 @@ def check_model_input(model: ModelConfig, num_classes: int, shape: tuple[int, ..
         raise
     except (RuntimeError, ValueError) as exc:
         reason = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        if isinstance(exc, torch.OutOfMemoryError) or "can't allocate memory" in reason:
+            # the model's size, not the data's: a larger batch or image would only need more
+            raise ValueError(f"model.name={model.name!r} with model.width={model.width} and model.kwargs="
+                             f"{model.kwargs} does not fit in this machine's memory ({reason[:160]}): make "
+                             "it smaller (model.width or model.kwargs)") from exc
         fix = "fix the model" if imported else "choose another model.name"
         raise ValueError(f"model.name={model.name!r} cannot take {data}: samples of shape {shape} in "
                          f"batches of {batch_size} ({reason}); stage the data with a larger "
@@ -201,6 +229,9 @@ def check_model_input(model: ModelConfig, num_classes: int, shape: tuple[int, ..
                else "choose another model.name")
         raise ValueError(f"model.name={model.name!r} maps {data} to logits of shape "
                          f"{tuple(logits.shape)[1:]}, not ({num_classes},): {fix}")
+    if next(built.parameters(), None) is None:  # the optimizer would refuse it, once the workers started
+        raise ValueError(f"model.name={model.name!r} builds a model with no parameters: there is nothing to "
+                         "train; make the factory return a model with weights")
     return built
 
 
@@ -244,7 +275,8 @@ def check_resume(cfg: Config, manifest: Manifest, root: Store, data_dir: str | P
         # Its record sits inside the whole state (state.pt): the checkpointer downloads it once to load it,
         # and refuses it then if it does not fit; reading it here too would download it once more.
         return step
-    run = RunFit(model_identity(cfg.to_dict()["model"]), list(manifest.classes), list(manifest.shape),
-                 manifest.splits["train"].count)
+    config = cfg.to_dict()
+    run = RunFit(model_identity(config["model"]), list(manifest.classes), list(manifest.shape),
+                 manifest.splits["train"].count, optimizer_identity(config["optim"]))
     check_fit(directory, open_saved(directory, marker), run, data=str(data_dir))
     return step

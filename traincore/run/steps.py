@@ -76,13 +76,15 @@ def check_step_fits_epoch(cfg: Config, train_count: int, data: str, world_size: 
                 f"train.grad_accum_steps={accum} x loader.batch_size={cfg.loader.batch_size} x {world} "
                 f"process(es) = {step}")
         raise _step_exceeds_epoch(batches, f"{what} samples per optimizer step exceed the {train_count} "
-                                  f"training samples in {data}")
+                                  f"training samples in {data}", world)
 
 
-def _step_exceeds_epoch(batches: int, numbers: str) -> ConfigError:
+def _step_exceeds_epoch(batches: int, numbers: str, world: int = 1) -> ConfigError:
     """The error for an optimizer step larger than an epoch: ``numbers`` say by how much; the fix follows
-    from the ``batches`` an epoch has."""
-    fix = f"lower train.grad_accum_steps to at most {batches}" if batches else "lower loader.batch_size"
+    from the ``batches`` an epoch has (none: one batch per process is already more than the data)."""
+    fewer = f", or run fewer than {world} processes" if world > 1 else ""
+    fix = (f"lower train.grad_accum_steps to at most {batches}" if batches else
+           f"lower loader.batch_size{fewer}")
     return ConfigError(f"{numbers}: one optimizer step would take more than an epoch of data (train.epochs "
                        f"would count steps, not passes over the data); {fix}, or stage more data")
 

@@ -4,7 +4,8 @@
      "optim.weight_decay": {"low": 0.0, "high": 0.1},
      "model.width": {"choices": [16, 32, 64]}}
 
-Every key must name a field of the config tree, every range must be non-empty (low < high) and a log
+Every key must name a field of the config tree that trials can differ in (not the staged data, nor what
+the search's own inputs set: ``FIXED``), every range must be non-empty (low < high) and a log
 range positive; each choice and both bounds must make a valid config (the field's own check runs), so a
 bad space fails before any trial starts. A range over an integer field with integer bounds draws
 integers. Sampling goes through Optuna's ask interface (``trial.suggest_*``), so the study's sampler
@@ -40,6 +41,18 @@ def parse_space(text: str, base: Config) -> dict[str, dict[str, Any]]:
     return {key: _dimension(key, spec, base) for key, spec in space.items()}
 
 
+# Keys that are one value for the whole search, whatever a trial's config says: a search drawing them would
+# train every trial the same and still name a "best" value.
+FIXED = {
+    "data": "the dataset is staged once, before any trial, for every trial: set it in config_overrides",
+    "train.max_steps": "the rungs' budgets end every trial's schedule there: set the input max_steps",
+    "train.epochs": "a search trains by steps, to max_steps: set the input max_steps",
+    "train.stop_after": "each rung sets where its trials stop: set the inputs rungs and reduction",
+    "train.metric": "every trial is ranked by one metric: set the input metric",
+    "checkpoint.resume": "each trial resumes from its own previous rung: leave it out",
+}
+
+
 def _field_kind(key: str, base: Config) -> str:
     section, _, name = key.partition(".")
     sections = {f.name: f for f in dataclasses.fields(base)}
@@ -50,6 +63,9 @@ def _field_kind(key: str, base: Config) -> str:
     if name not in fields:
         raise SearchSpaceError(f"search_space key {key!r}: the {section} section has no field {name!r}; its "
                                f"fields are {', '.join(fields)}")
+    fixed = FIXED.get(key) or FIXED.get(section)
+    if fixed:
+        raise SearchSpaceError(f"search_space key {key!r} cannot differ between trials: {fixed}")
     kind = fields[name].type
     return kind if isinstance(kind, str) else kind.__name__
 

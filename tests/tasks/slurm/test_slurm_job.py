@@ -23,13 +23,12 @@ from google.protobuf.json_format import MessageToDict
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ProcessFailure
 
 from tasks.failures import first_failure
-from tasks.plan import LaunchInputError
+from tasks.plan import LaunchInputError, check_time_limit
 from tasks.slurm.client import NodeSize
 from tasks.slurm.connector import (
     PHASES,
     SLURM_TASK_TYPE,
     check_node_size,
-    check_time_limit,
     forwarded_env,
     ssh_target,
 )
@@ -121,7 +120,7 @@ def test_a_request_no_node_can_hold_names_the_largest_node_and_the_fix():
     check_node_size(nodes, topology, NodeRequest(mem_mib=0))  # the user's own flags decide: nothing to check
 
 
-def test_a_time_limit_within_the_warning_signals_lead_is_refused_before_submission():
+def test_a_time_limit_within_the_warning_signals_lead_or_of_no_slurm_form_is_refused_in_the_plan():
     assert [time_limit_s(text) for text in ("30", "2:30", "01:00:05", "1-2", "1-0:30", "0-0:0:40")] == [
         1800, 150, 3605, 93600, 88200, 40]
     assert time_limit_s("") is None and time_limit_s("UNLIMITED") is None
@@ -135,6 +134,12 @@ def test_a_time_limit_within_the_warning_signals_lead_is_refused_before_submissi
         "slurm_time_limit, or lower checkpoint.preemption_grace_s")
     check_time_limit(topology, grace_s=10)  # 25 s of lead: the job trains for 5 s, then saves
     check_time_limit(replace(topology, slurm=SlurmSettings(target="hpc")), grace_s=20)  # no limit of ours
+    check_time_limit(replace(topology, slurm=SlurmSettings(target="hpc", time_limit="UNLIMITED")), grace_s=20)
+    # Once accepted by the plan and refused by sbatch after staging, in a connector's panel:
+    with pytest.raises(LaunchInputError, match=r"input slurm_time_limit='forever' is not a Slurm time limit: "
+                                               r"write minutes, M:S, H:M:S, D-H, D-H:M or D-H:M:S"):
+        check_time_limit(replace(topology, slurm=SlurmSettings(target="hpc", time_limit="forever")),
+                         grace_s=20)
 
 
 def test_a_refused_request_names_only_what_was_asked_and_checked():

@@ -22,7 +22,7 @@ from traincore.checkpoint import (
 )
 from traincore.checkpoint.format import SavedState
 from traincore.config.presets import debug
-from traincore.config.schema import CheckpointConfig, LoaderConfig
+from traincore.config.schema import CheckpointConfig, LoaderConfig, optimizer_identity
 from traincore.data.loader import StagedLoader, StagedSplit
 from traincore.data.manifest import Manifest
 from traincore.run.preflight import check_resume
@@ -53,6 +53,16 @@ def test_a_record_left_out_fits_anything(tmp_path):
     with pytest.raises(CheckpointError, match="saved by a run over 10 training samples, but data/ has 12"):
         check_fit(directory, SavedState(1, {"loader": {"num_samples": 10}}, [], {}),
                   RunFit(None, None, None, 12), data="data/")
+    # Another optimizer, or other frozen parameters: another set of state tensors.
+    adamw = {"run": {"config": {"optim": {"name": "adamw", "param_groups": []}}}}
+    check_fit(directory, SavedState(1, adamw, [], {}), RunFit(None, None, None, None))  # unrecorded: fits
+    for optim in ({"name": "sgd", "param_groups": []},
+                  {"name": "adamw", "param_groups": [{"pattern": "stem.*", "freeze": True}]}):
+        with pytest.raises(CheckpointError, match=r"its optimizer state was written by optimizer \{'name': "
+                                                  r"'adamw', 'frozen': \[\]\}, this run's is .*resume with "
+                                                  r"that run's"):
+            check_fit(directory, SavedState(1, adamw, [], {}),
+                      RunFit(None, None, None, None, optimizer_identity(optim)))
 
 
 def test_a_loader_position_in_a_split_of_another_size_is_refused(synthetic_dir, tmp_path):

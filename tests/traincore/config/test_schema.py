@@ -73,6 +73,10 @@ def test_overrides_nested_dotted_and_json():
     ("{not json", "not valid JSON"),
     ("[1, 2]", "must be a JSON object"),
     ({"loader.batch_size": 0}, "loader.batch_size=0"),
+    # Once resolved in silence by the JSON's key order (the dotted key won, the lr ten times the other):
+    ('{"optim.lr": 0.01, "optim": {"lr": 0.02}}', r"optim.lr is given twice \(as a dotted key and inside "
+                                                  r"'optim'\): give it once"),
+    ('{"optim": {"lr": 0.02}, "optim.lr": 0.01}', "optim.lr is given twice"),
 ])
 def test_bad_overrides(overrides, message):
     with pytest.raises(ConfigError, match=message):
@@ -150,6 +154,14 @@ def test_wrong_types_say_how_to_write_the_value(overrides, message):
     ({"dist.init_timeout_s": 10**12}, "dist.init_timeout_s=1000000000000 is invalid: must be <= 2147483647"),
     ({"train.profile_steps": "²:³"}, "must look like 'START:END'"),  # digits to isdigit(), not to int()
     ({"checkpoint.resume": "١٢"}, "checkpoint.resume='١٢' is invalid"),
+    # 0-255 statistics once trained in silence on inputs normalised far off scale:
+    ({"data.channels": 1, "data.mean": [50], "data.std": [1]}, "data.mean=[50] is invalid: expected a list "
+                                                              "of numbers in [0, 1], one per channel, of "
+                                                              "pixels scaled to [0, 1] (not 0-255)"),
+    ({"data.channels": 1, "data.mean": [0.5], "data.std": [60]}, "data.std=[60] is invalid: expected a list "
+                                                                "of numbers in (0, 1]"),
+    ({"data.mean": [0.5], "data.std": [0.5]}, "data.mean=[0.5] is invalid: needs one value per channel: "
+                                              "data.channels is 3 (set data.channels to the staged data's"),
 ])
 def test_values_that_would_fail_later_are_refused_now(overrides, message):
     with pytest.raises(ConfigError) as info:

@@ -138,8 +138,9 @@ def test_different_config_at_same_output_needs_overwrite(synthetic_config, tmp_p
 def test_non_staged_directory_at_output_is_refused(synthetic_config, tmp_path):
     (tmp_path / "data").mkdir()
     (tmp_path / "data" / "notes.txt").write_text("mine")
-    with pytest.raises(StagingError, match="already exists"):
-        stage(synthetic_config, tmp_path / "data")
+    for overwrite in (False, True):  # overwrite replaces a staging, never a folder of one's own files
+        with pytest.raises(StagingError, match="is a directory of other files, not a staging"):
+            stage(synthetic_config, tmp_path / "data", overwrite=overwrite)
     assert (tmp_path / "data" / "notes.txt").read_text() == "mine"
 
 

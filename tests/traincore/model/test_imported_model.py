@@ -59,6 +59,19 @@ PACKAGE = {
             return {"weights": None}
 
 
+        class Weightless(nn.Module):
+            def __init__(self, num_classes):
+                super().__init__()
+                self.num_classes = num_classes
+
+            def forward(self, x):
+                return x.new_zeros(x.shape[0], self.num_classes)
+
+
+        def weightless(num_classes, in_channels, image_size):
+            return Weightless(num_classes)
+
+
         def wrong_head(num_classes, in_channels, image_size):
             return build(num_classes + 1, in_channels, image_size)
         ''',
@@ -254,6 +267,10 @@ def test_preflight_names_the_import_path_of_a_factory_that_fails(package):
     with pytest.raises(ValueError, match=r"'acmenet.models:wrong_head' maps the data in staged/ to logits of "
                                          r"shape \(11,\), not \(10,\): make it return logits"):
         check_model_input(ModelConfig(name="acmenet.models:wrong_head"), 10, shape, data)
+    # Once refused by the optimizer ("got an empty parameter list") after the workers had started:
+    with pytest.raises(ValueError, match=r"model.name='acmenet.models:weightless' builds a model with no "
+                                         r"parameters: there is nothing to train"):
+        check_model_input(ModelConfig(name="acmenet.models:weightless"), 10, shape, data)
 
 
 def test_fsdp_units_come_from_the_module_hook_or_the_largest_stack(package):

@@ -21,3 +21,7 @@ def test_a_model_fits_its_first_samples_and_is_measured_on_them(data_dir, tmp_pa
     with pytest.raises(ValueError, match=r"loader.batch_size=8 exceeds the 4 training samples in .* "
                                          r"\(train.overfit=4\): lower loader.batch_size"):
         preflight(cfg.with_overrides({"train.overfit": 4}), data_dir)
+    # More than the split: once capped in silence, training on all of it and validating on the training split.
+    with pytest.raises(ValueError, match=r"train.overfit=100000 exceeds the \d+ training samples in .*: give "
+                                         r"at most \d+, or 0 to train on the whole split"):
+        preflight(cfg.with_overrides({"train.overfit": 100000}), data_dir)

@@ -57,6 +57,10 @@ def test_the_samples_of_one_step_must_fit_the_training_split(monkeypatch, synthe
     monkeypatch.delenv("WORLD_SIZE")
     with pytest.raises(ConfigError, match=r"x 4 process\(es\) = 96 samples"):  # a launcher's worker count
         check_step_fits_epoch(_accumulating(3, batch_size=8), 80, "data", world_size=4)
+    # 500 processes on 80 samples: no batch size fixes it alone, so the processes are named too.
+    with pytest.raises(ConfigError, match=r"lower loader.batch_size, or run fewer than 500 processes, or "
+                                          r"stage"):
+        check_step_fits_epoch(_accumulating(1, batch_size=1), 80, "data", world_size=500)
     # Preflight refuses it before any worker starts (synthetic_dir: 80 training samples).
     cfg = debug().with_overrides({"loader.batch_size": 64, "train.grad_accum_steps": 22})
     with pytest.raises(ConfigError, match=f"= 1408 samples per optimizer step exceed the 80 training samples "

@@ -38,6 +38,13 @@ def test_choices_ranges_and_log_ranges_are_drawn_within_their_bounds_by_optuna()
     ('{"optim.lr": {"low": 1, "high": "2"}}', "low and high must be numbers and log true or false"),
     ('{"optim.lr": [0.1, 0.2]}', 'expected {"choices": [...]}, {"low": a, "high": b} or'),
     ('{"model.width": {"choices": [8, 0]}}', "the value 0 is not valid: model.width=0 is invalid"),
+    # One value for every trial: drawing it would rank trials that trained the same.
+    ('{"data.image_size": {"choices": [16, 32]}}', "'data.image_size' cannot differ between trials: the "
+                                                   "dataset is staged once"),
+    ('{"train.max_steps": {"choices": [10, 20]}}', "'train.max_steps' cannot differ between trials: the "
+                                                   "rungs' budgets"),
+    ('{"checkpoint.resume": {"choices": ["latest", "none"]}}',
+     "each trial resumes from its own previous rung"),
 ])
 def test_a_bad_space_names_the_key_and_the_fix(space, message):
     with pytest.raises(SearchSpaceError) as caught:

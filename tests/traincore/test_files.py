@@ -1,0 +1,27 @@
+"""Path and URI flags of the traincore CLIs (traincore.files.path_argument)."""
+
+from __future__ import annotations
+
+import argparse
+
+import pytest
+
+from traincore.files import path_argument
+
+
+@pytest.mark.parametrize("text", ["runs/a", "/abs/path", "file:///tmp/x", "s3://bucket/run", "memory://b/x"])
+def test_paths_and_uris_of_known_stores_pass_unchanged(text):
+    assert path_argument(text) == text
+
+
+@pytest.mark.parametrize(("text", "message"), [
+    ("", "is empty: give a path or URI (is a shell variable unset?)"),  # would be the current directory
+    ("  ", "is empty"),
+    ("s3://", "'s3://' names no bucket: write s3://BUCKET/PATH"),  # was the local directory "s3:"
+    ("s3:///run", "names no bucket"),
+    ("bogus://x/y", "'bogus://x/y': fsspec cannot open bogus:// (Protocol not known: bogus): use a local"),
+])
+def test_an_empty_path_or_a_uri_no_store_can_open_is_refused(text, message):
+    with pytest.raises(argparse.ArgumentTypeError) as caught:
+        path_argument(text)
+    assert message in str(caught.value), caught.value
