@@ -314,7 +314,8 @@ def fingerprint_source(data: DataConfig) -> str:
 
 def check_slurm(topology: Topology, cfg: Config, local_run: bool) -> Topology:
     """Slurm inputs, as given: only with backend='slurm', a target that can be an ssh Host alias or a host
-    name, sbatch flags in shell syntax. Nothing is contacted here: a cluster's plan pod need not reach the
+    name, sbatch flags in shell syntax, a time limit sbatch reads (:func:`check_time_limit`). Nothing is
+    contacted here: a cluster's plan pod need not reach the
     login node, so the connector checks the cluster (reachable, its Slurm commands, the partition's size) at
     submission. A local run's job activates this run's Python environment unless ``slurm_setup`` says
     otherwise (the loopback cluster shares this filesystem)."""

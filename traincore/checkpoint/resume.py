@@ -87,7 +87,8 @@ class RunFit:
     train_samples: int | None
     """Samples in the training split: the loader's place in the epoch carries over only between equals."""
     optimizer: dict[str, Any] | None = None
-    """The optim config fields that decide its state (:func:`traincore.config.schema.optimizer_identity`)."""
+    """The optim config fields that decide its state (:func:`traincore.config.schema.optimizer_identity`);
+    None for a checkpoint whose config recorded no optimizer (version 2 recorded only some fields)."""
 
     @classmethod
     def of_state(cls, shared: dict[str, Any]) -> RunFit:
@@ -97,7 +98,7 @@ class RunFit:
         classes, shape = run.get("classes"), run.get("shape")
         return cls(model_identity(model) if model else None, list(classes) if classes is not None else None,
                    list(shape) if shape is not None else None, shared.get("loader", {}).get("num_samples"),
-                   optimizer_identity(optim) if optim else None)
+                   optimizer_identity(optim) if optim and "name" in optim else None)
 
 
 def check_fit(directory: Store, saved: SavedState, run: RunFit, data: str = "this run's data",
