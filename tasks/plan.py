@@ -13,7 +13,6 @@ import sys
 from dataclasses import replace
 from typing import Any, NamedTuple
 
-import fsspec
 import torch
 from flytekit import task
 from flytekit.core.context_manager import FlyteContextManager
@@ -27,6 +26,7 @@ from tasks.storage import is_uri, local_path, source_storage_options
 from tasks.types import NodeResources, SlurmSettings, Topology
 from traincore.config import PRESETS, Config, ConfigError, DataConfig, build_config, parse_source
 from traincore.data import StagingError, check_partitions, source_fingerprint
+from traincore.files import uri_problem
 from traincore.model import InitError, read_init_header
 from traincore.run import (
     OutputError,
@@ -92,18 +92,10 @@ def check_protocol(location: str, label: str, writable: bool = False) -> None:
     """A URI's scheme must name a filesystem fsspec knows and can load (with ``writable``, one a root may
     live in: ``WRITABLE_SCHEMES``), and it must name a bucket or host; nothing is contacted. ``label`` names
     the value in the error, e.g. "input checkpoint_uri='...'"."""
-    protocol, _, rest = location.partition("://")
-    if not rest.split("/", 1)[0]:
-        raise LaunchInputError(f"{label}: {location!r} names no bucket: write {protocol}://BUCKET/PATH")
-    try:
-        fsspec.get_filesystem_class(protocol)
-    except ValueError as exc:
-        raise LaunchInputError(f"{label}: {location!r} has the unknown scheme {protocol}://: use "
-                               "a local path or an object-store URI such as s3://bucket/path or "
-                               "gs://bucket/path") from exc
-    except ImportError as exc:
-        raise LaunchInputError(f"{label}: {location!r} needs a filesystem package that is not "
-                               f"installed ({exc}): install it in the image, or use s3:// or gs://") from exc
+    problem = uri_problem(location)
+    if problem:
+        raise LaunchInputError(f"{label}: {problem}")
+    protocol = location.partition("://")[0]
     if writable and protocol not in WRITABLE_SCHEMES:
         raise LaunchInputError(f"{label}: {protocol}:// cannot hold checkpoints or models: use a local path "
                                f"or an object store ({', '.join(s + '://' for s in WRITABLE_SCHEMES[:4])})")
@@ -145,7 +137,7 @@ def check_splits(data: DataConfig) -> None:
             raise LaunchInputError(f"input config_overrides: data.{name}=0 stages an empty "
                                    f"{name.split('_')[0]} split, which the workflow "
                                    f"{'validates' if name == 'val_fraction' else 'evaluates'} on: give it a "
-                                   f"fraction above 0, e.g. {DataConfig.__dataclass_fields__[name].default}")
+                                   f"fraction above 0, e.g. {getattr(DataConfig(), name)}")
 
 
 def parse_nodes(nnodes: str) -> tuple[int, int]:
@@ -215,11 +207,11 @@ def check_topology(topology: Topology, local_run: bool) -> None:
     if topology.gpus_per_node and topology.nproc_per_node > topology.gpus_per_node:
         raise LaunchInputError(f"input nproc_per_node={topology.nproc_per_node} exceeds gpus_per_node="
                                f"{topology.gpus_per_node}: run one process per GPU")
-    if local_run and backend == "local" and topology.gpus_per_node > torch.cuda.device_count():
-        # it would train on the CPU without a word
-        raise LaunchInputError(f"input gpus_per_node={topology.gpus_per_node}: this machine has "
-                               f"{torch.cuda.device_count()} CUDA device(s): lower gpus_per_node (0 trains "
-                               "on the CPU), or train on a cluster backend")
+    devices = torch.cuda.device_count() if local_run and backend == "local" else topology.gpus_per_node
+    if topology.gpus_per_node > devices:  # it would train on the CPU without a word
+        raise LaunchInputError(f"input gpus_per_node={topology.gpus_per_node}: this machine has {devices} "
+                               "CUDA device(s): lower gpus_per_node (0 trains on the CPU), or train on a "
+                               "cluster backend")
 
 
 SECRET_NAME = re.compile(r"^[a-z0-9]([-a-z0-9.]{0,251}[a-z0-9])?$")  # a Kubernetes secret's name

@@ -16,24 +16,37 @@ from pathlib import Path
 _BLOCK = 8 << 20
 
 
-def path_argument(text: str) -> str:
-    """argparse's ``type`` for a path or URI flag: an empty value (an unset shell variable, most likely)
-    would mean the current directory, which is never what was meant, so it is refused; so is a URI whose
-    scheme fsspec does not know or that names no bucket (``s3://`` would be the local directory ``s3:``)."""
-    if not text.strip():
-        raise argparse.ArgumentTypeError("is empty: give a path or URI (is a shell variable unset?)")
-    protocol, uri, rest = text.partition("://")
+def uri_problem(location: str) -> str | None:
+    """What is wrong with the URI ``location`` before anything is contacted: it names no bucket (``s3://``
+    would be read as the local directory ``s3:``), or its scheme is one fsspec does not know or cannot load;
+    None for a usable URI or a plain path."""
+    protocol, uri, rest = location.partition("://")
     if not uri or protocol == "file":
-        return text
+        return None
     if not rest.split("/", 1)[0]:
-        raise argparse.ArgumentTypeError(f"{text!r} names no bucket: write {protocol}://BUCKET/PATH")
+        return f"{location!r} names no bucket: write {protocol}://BUCKET/PATH"
     import fsspec  # only for a URI: most runs read local paths
 
     try:
         fsspec.get_filesystem_class(protocol)
-    except (ValueError, ImportError) as exc:
-        raise argparse.ArgumentTypeError(f"{text!r}: fsspec cannot open {protocol}:// ({exc}): use a local "
-                                         "path or an object-store URI such as s3://bucket/path") from exc
+    except ValueError:
+        return (f"{location!r} has the unknown scheme {protocol}://: use a local path or an object-store URI "
+                "such as s3://bucket/path or gs://bucket/path")
+    except ImportError as exc:
+        return (f"{location!r} needs a filesystem package that is not installed ({exc}): install it, or use "
+                "s3:// or gs://")
+    return None
+
+
+def path_argument(text: str) -> str:
+    """argparse's ``type`` for a path or URI flag: an empty value (an unset shell variable, most likely)
+    would mean the current directory, which is never what was meant, so it is refused; so is a URI with a
+    :func:`uri_problem`."""
+    if not text.strip():
+        raise argparse.ArgumentTypeError("is empty: give a path or URI (is a shell variable unset?)")
+    problem = uri_problem(text)
+    if problem:
+        raise argparse.ArgumentTypeError(problem)
     return text
 
 

@@ -19,7 +19,7 @@ def test_paths_and_uris_of_known_stores_pass_unchanged(text):
     ("  ", "is empty"),
     ("s3://", "'s3://' names no bucket: write s3://BUCKET/PATH"),  # was the local directory "s3:"
     ("s3:///run", "names no bucket"),
-    ("bogus://x/y", "'bogus://x/y': fsspec cannot open bogus:// (Protocol not known: bogus): use a local"),
+    ("bogus://x/y", "'bogus://x/y' has the unknown scheme bogus://: use a local path or an object-store"),
 ])
 def test_an_empty_path_or_a_uri_no_store_can_open_is_refused(text, message):
     with pytest.raises(argparse.ArgumentTypeError) as caught:
