@@ -47,6 +47,8 @@ bench: install
 # cluster runs it: one pod of two processes, then a 2-pod PyTorchJob. Prints each node's wall time and the
 # test accuracy; fails if a node fails or the two pods do not form one world. See "Replaying a registration
 # locally" in docs/backends.md; REPLAY_INPUTS="--input max_steps=80 --input parallelism=fsdp" shards the model.
+# REPLAY_INPUTS comes last, and the last value of a repeated --input wins: REPLAY_INPUTS="--input
+# nproc_per_node=4" overrides the replays' own nnodes/nproc_per_node in both.
 REPLAY_DIR ?= runs/replay
 REPLAY_INPUTS ?= --input max_steps=80
 REPLAY_OPTS ?= --node-timeout 600
@@ -54,10 +56,10 @@ replay: install
 	rm -rf $(REPLAY_DIR) && mkdir -p $(REPLAY_DIR)
 	$(BIN)/pyflyte --pkgs workflows package --image flyte-torch-pipeline:replay --copy all --force \
 		--output $(REPLAY_DIR)/package.tgz
-	$(BIN)/python -m replay $(REPLAY_DIR)/package.tgz --workdir $(REPLAY_DIR)/1-node $(REPLAY_OPTS) $(REPLAY_INPUTS) \
-		--input nnodes=1 --input nproc_per_node=2
-	$(BIN)/python -m replay $(REPLAY_DIR)/package.tgz --workdir $(REPLAY_DIR)/2-pods $(REPLAY_OPTS) $(REPLAY_INPUTS) \
-		--input backend=kubernetes --input nnodes=2 --input nproc_per_node=1
+	$(BIN)/python -m replay $(REPLAY_DIR)/package.tgz --workdir $(REPLAY_DIR)/1-node $(REPLAY_OPTS) \
+		--input nnodes=1 --input nproc_per_node=2 $(REPLAY_INPUTS)
+	$(BIN)/python -m replay $(REPLAY_DIR)/package.tgz --workdir $(REPLAY_DIR)/2-pods $(REPLAY_OPTS) \
+		--input backend=kubernetes --input nnodes=2 --input nproc_per_node=1 $(REPLAY_INPUTS)
 
 lint: install-dev
 	$(BIN)/ruff check traincore tasks workflows replay tests bench examples

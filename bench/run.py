@@ -8,7 +8,8 @@ text}``, ``"tables": {title: [rows]}`` for further tables, ``"notes": [line]`` l
 script that is missing, fails or writes no JSON becomes one error line in the tables; the other
 benchmarks still run. The results carry the machine they were measured on. ``--merge`` keeps the tables of
 the benchmarks not run this time from the existing latest.json, each marked with the run it came from (to
-re-measure one benchmark, e.g. ``--only sharded --merge``, without re-running the others).
+re-measure one benchmark, e.g. ``--only sharded --merge``, without re-running the others). A --results or
+--scratch that cannot be written, or with --merge a damaged latest.json, is refused before any benchmark runs.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ import os
 import platform
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -51,6 +53,9 @@ TINY_ARGS = {  # seconds-long sizes for a smoke run; scripts without such option
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """The options, checked before any benchmark runs (a full run is 20 minutes): --results and --scratch
+    are made writable directories, and with --merge ``previous`` is the report in --results/latest.json (None
+    when there is none yet)."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--results", default=str(ROOT / "bench" / "results"),
                         help="where latest.json and latest.md go")
@@ -60,7 +65,92 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--tiny", action="store_true", help="smoke-test sizes where a benchmark has them")
     parser.add_argument("--merge", action="store_true",
                         help="keep the other benchmarks' tables of the existing latest.json (with their run)")
-    return parser.parse_args(argv)
+    args = parser.parse_args(argv)
+    for flag, path in (("--results", args.results), ("--scratch", args.scratch)):
+        problem = _directory_problem(Path(path))
+        if problem:
+            parser.error(f"{flag} {path} {problem}")
+    for name in ("latest.json", "latest.md"):
+        if (Path(args.results) / name).is_dir():
+            parser.error(f"--results {args.results} holds a directory {name}, where the table is written: "
+                         "remove it or name another --results")
+    args.previous = None
+    if args.merge:
+        latest = Path(args.results) / "latest.json"
+        try:
+            args.previous = read_previous(latest)
+        except ValueError as exc:
+            parser.error(f"--merge: {exc}: repair or remove it, or run without --merge")
+        if args.previous is None:
+            print(f"warning: --merge: {latest} does not exist, so nothing is merged: it will hold only the "
+                  "benchmarks of this run", file=sys.stderr, flush=True)
+    return args
+
+
+def _directory_problem(path: Path) -> str | None:
+    """Why ``path`` cannot hold the runner's files (it is created when missing), None when it can."""
+    if path.exists() and not path.is_dir():
+        return "is a file, not a directory: name a directory (it is created when missing)"
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+        tempfile.TemporaryFile(dir=path).close()
+    except OSError as exc:
+        return (f"is not a directory that can be written ({exc.strerror or exc}): name a directory you can "
+                "write to or create")
+    return None
+
+
+def read_previous(path: Path) -> dict | None:
+    """The report in an earlier latest.json, None when there is none; ValueError saying what is wrong with
+    it, so that --merge never silently drops the benchmarks it holds."""
+    try:
+        text = path.read_text()
+    except FileNotFoundError:
+        return None
+    except (OSError, ValueError) as exc:  # ValueError: not UTF-8
+        raise ValueError(f"{path} cannot be read ({exc})") from exc
+    try:
+        report = json.loads(text)
+    except ValueError as exc:
+        conflict = next((number for number, line in enumerate(text.splitlines(), 1)
+                         if line.startswith("<<<<<<<")), None)
+        if conflict:
+            raise ValueError(f"{path} has git conflict markers (line {conflict})") from exc
+        raise ValueError(f"{path} is not valid JSON ({exc})") from exc
+    problem = _report_problem(report)
+    if problem:
+        raise ValueError(f"{path} is not a report of bench/run.py: {problem}")
+    return report
+
+
+def _report_problem(report: object) -> str | None:
+    """What in a parsed latest.json ``merged`` and ``markdown`` cannot use, None when nothing."""
+    if not isinstance(report, dict) or not isinstance(report.get("benchmarks"), list):
+        return "not an object with a 'benchmarks' list"
+    if not isinstance(report.get("machine", {}), dict):
+        return "its 'machine' is not an object"
+    for index, entry in enumerate(report["benchmarks"]):
+        if not isinstance(entry, dict) or not isinstance(entry.get("benchmark"), str):
+            return f"benchmarks[{index}] is not an object with a 'benchmark' name"
+        where = f"benchmarks[{index}] ({entry['benchmark']})"
+        run = entry.get("measured_in", {"command": "", "machine": {}})
+        if not (isinstance(run, dict) and "command" in run and isinstance(run.get("machine"), dict)):
+            return f"{where} has a 'measured_in' without its 'command' and 'machine'"
+        if "error" in entry:
+            if not isinstance(entry["error"], str):
+                return f"{where} has an 'error' that is not text"
+            continue
+        results, tables = entry.get("results"), entry.get("tables", {})
+        if not (_rows(results) and isinstance(tables, dict) and all(map(_rows, tables.values()))):
+            return f"{where} has no 'error', and its 'results' or 'tables' are not lists of rows (objects)"
+        if not isinstance(entry.get("ratios", {}), dict) or not isinstance(entry.get("notes", []), list):
+            return f"{where} has 'ratios' that are not an object or 'notes' that are not a list"
+    return None
+
+
+def _rows(rows: object) -> bool:
+    """Whether ``rows`` is what markdown_table takes: a list of objects."""
+    return isinstance(rows, list) and all(isinstance(row, dict) for row in rows)
 
 
 def machine_info() -> dict:
@@ -154,7 +244,6 @@ def target_of(result: dict, ratio: str) -> str:
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     scratch, out = Path(args.scratch).resolve(), Path(args.results)
-    scratch.mkdir(parents=True, exist_ok=True)
     results = []
     for name in args.only:
         extra = TINY_ARGS.get(name, []) if args.tiny else []
@@ -166,26 +255,24 @@ def main(argv: list[str] | None = None) -> None:
         results.append(run_benchmark(name, ROOT / "bench" / f"{name}.py", extra, scratch))
     machine = machine_info()
     command = " ".join(["python bench/run.py", *(sys.argv[1:] if argv is None else argv)])
-    out.mkdir(parents=True, exist_ok=True)
     if args.merge:
-        results = merged(out / "latest.json", results)
+        results = merged(args.previous, results)
     report = {"machine": machine, "command": command, "benchmarks": results}
     _publish(out / "latest.json", json.dumps(report, indent=2) + "\n")
     _publish(out / "latest.md", markdown(machine, results, command) + "\n")
     print(f"wrote {out / 'latest.json'} and {out / 'latest.md'}")
 
 
-def merged(previous: Path, results: list[dict]) -> list[dict]:
-    """``results`` plus the benchmarks they lack from ``previous`` (an earlier latest.json), each of those
-    marked with the run it was measured in; in BENCHMARKS order."""
-    try:
-        report = json.loads(previous.read_text())
-    except (OSError, ValueError):
+def merged(previous: dict | None, results: list[dict]) -> list[dict]:
+    """``results`` plus the benchmarks they lack from ``previous`` (an earlier latest.json's report, checked
+    by read_previous; None: there is none), each of those marked with the run it was measured in; in
+    BENCHMARKS order."""
+    if previous is None:
         return results
-    earlier = {"command": report.get("command", "unknown"), "machine": report.get("machine", {})}
+    earlier = {"command": previous.get("command", "unknown"), "machine": previous.get("machine", {})}
     ran = {result["benchmark"] for result in results}
     kept = [{**result, "measured_in": result.get("measured_in", earlier)}
-            for result in report.get("benchmarks", []) if result.get("benchmark") not in ran]
+            for result in previous["benchmarks"] if result["benchmark"] not in ran]
     order = {name: index for index, name in enumerate(BENCHMARKS)}
     return sorted([*kept, *results], key=lambda result: order.get(result["benchmark"], len(order)))
 

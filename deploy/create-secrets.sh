@@ -15,15 +15,17 @@
 #   CONNECTOR_NAMESPACE   namespace of deploy/connector.yaml (default: flyte)
 #
 #   FLYTE_AWS_ACCESS_KEY_ID, FLYTE_AWS_SECRET_ACCESS_KEY, optional FLYTE_AWS_ENDPOINT (S3-compatible
-#       stores such as MinIO): flytekit's object-store settings -> Secret object-store-env in all those
-#       namespaces. Task pods get its keys as environment variables through propeller's
-#       default-env-from-secrets, the connector through its envFrom; the connector forwards them to
-#       each Slurm job.
+#       stores such as MinIO; a URL with http:// or https://, e.g. http://minio:9000): flytekit's
+#       object-store settings -> Secret object-store-env in all those namespaces. Task pods get its keys
+#       as environment variables through propeller's default-env-from-secrets, the connector through its
+#       envFrom; the connector forwards them to each Slurm job.
 #   WANDB_API_KEY -> Secret wandb, key api_key, in EXEC_NAMESPACES: the Flyte secret wandb/api_key that
 #       the train task mounts as a file when telemetry.wandb_mode is "online".
 #   STORE_SECRET with STORE_AWS_ACCESS_KEY_ID and STORE_AWS_SECRET_ACCESS_KEY -> Secret $STORE_SECRET,
 #       keys aws_access_key_id and aws_secret_access_key, in EXEC_NAMESPACES: the Flyte secret that the
-#       workflow input store_secret names (a checkpoint store with credentials of its own).
+#       workflow input store_secret names (a checkpoint store with credentials of its own). A Kubernetes
+#       Secret name (lower case, digits, '-' and '.', each '.'-separated part starting and ending with a
+#       letter or digit, at most 253), and not one of the names above or below, which this script writes.
 #   SLURM_SSH_KEY, SLURM_KNOWN_HOSTS, SLURM_SSH_CONFIG (file paths) -> Secret slurm, keys ssh_key,
 #       known_hosts and config, in CONNECTOR_NAMESPACE: the connector's SSH identity, the verified host
 #       keys of the login nodes, and a Host entry (HostName, User, Port) per slurm_target.
@@ -47,6 +49,17 @@ INPUTS=(FLYTE_AWS_ACCESS_KEY_ID FLYTE_AWS_SECRET_ACCESS_KEY FLYTE_AWS_ENDPOINT W
 
 exec_namespaces=${EXEC_NAMESPACES:-flytesnacks-development}
 connector_namespace=${CONNECTOR_NAMESPACE:-flyte}
+
+# The Secrets this script writes under names of its own (the pods and deploy/connector.yaml read them by
+# these names), and the variables that fill them; STORE_SECRET may name none of them.
+store_env_secret=object-store-env
+wandb_secret=wandb
+slurm_secret=slurm
+declare -A own_secret_inputs=(
+    [$store_env_secret]="FLYTE_AWS_ACCESS_KEY_ID, FLYTE_AWS_SECRET_ACCESS_KEY, FLYTE_AWS_ENDPOINT"
+    [$wandb_secret]="WANDB_API_KEY"
+    [$slurm_secret]="SLURM_SSH_KEY, SLURM_KNOWN_HOSTS, SLURM_SSH_CONFIG"
+)
 
 # secret NAMESPACE NAME KEY=env:VARIABLE|KEY=file:PATH...: write one Secret, print its keys (not values).
 secret() {
@@ -132,6 +145,17 @@ write_store=0
 if is_set FLYTE_AWS_ACCESS_KEY_ID || is_set FLYTE_AWS_SECRET_ACCESS_KEY; then
     needs FLYTE_AWS_ACCESS_KEY_ID FLYTE_AWS_SECRET_ACCESS_KEY object-store-env
     needs FLYTE_AWS_SECRET_ACCESS_KEY FLYTE_AWS_ACCESS_KEY_ID object-store-env
+    # botocore (flytekit's S3 client) takes an endpoint only as a URL with its scheme: one without would
+    # be written without a word and fail in every pod that reads the store.
+    for variable in "${INPUTS[@]}"; do
+        if [[ $variable == *_ENDPOINT ]] && is_set "$variable" \
+            && [[ ! ${!variable} =~ ^https?://[^/[:space:]][^[:space:]]*$ ]]; then
+            example=http://minio:9000
+            [[ ${!variable} == *://* || ${!variable} =~ [[:space:]] ]] || example=http://${!variable}
+            fail "$variable=${!variable}: not an endpoint URL; botocore takes only an http:// or https://" \
+                "URL without spaces: give e.g. $variable=$example (https:// where the store speaks TLS)"
+        fi
+    done
     write_store=1
 elif is_set FLYTE_AWS_ENDPOINT; then
     fail "FLYTE_AWS_ENDPOINT is set but FLYTE_AWS_ACCESS_KEY_ID and FLYTE_AWS_SECRET_ACCESS_KEY are not: the" \
@@ -144,10 +168,20 @@ is_set WANDB_API_KEY || skipped+=("wandb (WANDB_API_KEY)")
 
 write_checkpoint_store=0
 if is_set STORE_SECRET; then
-    # The rule tasks/plan.py applies to the input store_secret: a Kubernetes Secret's name.
-    if [[ ! $STORE_SECRET =~ ^[a-z0-9]([-a-z0-9.]{0,251}[a-z0-9])?$ ]]; then
-        fail "STORE_SECRET=$STORE_SECRET: not a Kubernetes Secret name (lower case, digits, '-', '.'); give" \
-            "the name the workflow input store_secret names"
+    # The rule tasks/plan.py applies to the input store_secret: a Kubernetes Secret's name, a DNS-1123
+    # subdomain (what kubectl would refuse only after the Secrets before it were written).
+    if ((${#STORE_SECRET} > 253)) \
+        || [[ ! $STORE_SECRET =~ ^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*$ ]]; then
+        fail "STORE_SECRET=$STORE_SECRET: not a Kubernetes Secret name (lower case, digits, '-' and '.'," \
+            "each '.'-separated part starting and ending with a letter or digit, at most 253 characters);" \
+            "give the name the workflow input store_secret names, e.g. checkpoint-store"
+    fi
+    # That Secret would be written twice, and the second write would drop the keys its readers need.
+    if [[ -n ${own_secret_inputs[$STORE_SECRET]+set} ]]; then
+        fail "STORE_SECRET=$STORE_SECRET names the Secret $STORE_SECRET that this script writes itself" \
+            "(from ${own_secret_inputs[$STORE_SECRET]}), and one would replace the other: give the" \
+            "checkpoint store's Secret another name (e.g. checkpoint-store), the same in the workflow input" \
+            "store_secret"
     fi
     needs STORE_SECRET STORE_AWS_ACCESS_KEY_ID "$STORE_SECRET"
     needs STORE_SECRET STORE_AWS_SECRET_ACCESS_KEY "$STORE_SECRET"
@@ -181,13 +215,13 @@ if ((write_store)); then
         store+=(FLYTE_AWS_ENDPOINT=env:FLYTE_AWS_ENDPOINT)
     fi
     for namespace in "${exec_namespace_list[@]}" "$connector_namespace"; do
-        secret "$namespace" object-store-env "${store[@]}"
+        secret "$namespace" "$store_env_secret" "${store[@]}"
     done
 fi
 
 if is_set WANDB_API_KEY; then
     for namespace in "${exec_namespace_list[@]}"; do
-        secret "$namespace" wandb api_key=env:WANDB_API_KEY
+        secret "$namespace" "$wandb_secret" api_key=env:WANDB_API_KEY
     done
 fi
 
@@ -199,7 +233,7 @@ if ((write_checkpoint_store)); then
 fi
 
 if ((write_slurm)); then
-    secret "$connector_namespace" slurm ssh_key=file:"$SLURM_SSH_KEY" \
+    secret "$connector_namespace" "$slurm_secret" ssh_key=file:"$SLURM_SSH_KEY" \
         known_hosts=file:"$SLURM_KNOWN_HOSTS" config=file:"$SLURM_SSH_CONFIG"
 fi
 

@@ -5,7 +5,10 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
+import os
 import sys
+import tarfile
 import tempfile
 import time
 import uuid
@@ -15,6 +18,7 @@ from replay import literals
 from replay.graph import NodeFailed, Replay
 from replay.package import PackageError, read_package
 from replay.store import Execution, Store
+from traincore.files import path_argument
 
 DEFAULT_PLAN = "workflows.pipeline.training_pipeline"
 EPILOG = """\
@@ -31,37 +35,122 @@ examples:
 """
 
 
+ENTRY_POINTS = ("pyflyte-fast-execute", "pyflyte-execute")  # what every task's container args start with
+
+
+def _package(text: str) -> Path:
+    """argparse's ``type`` for PKG: an existing tar archive, checked before the workdir is made."""
+    path = Path(text)
+    if path.is_dir():
+        raise argparse.ArgumentTypeError(f"{text} is a directory: give the archive file `pyflyte package` "
+                                          "wrote (its -o/--output)")
+    if not path.is_file():
+        raise argparse.ArgumentTypeError(f"{text} does not exist: make it with `pyflyte --pkgs workflows "
+                                          f"package --image IMG --copy all -o {text}`")
+    if not tarfile.is_tarfile(path):
+        raise argparse.ArgumentTypeError(f"{text} is not a tar archive: give the .tgz `pyflyte package` "
+                                          "wrote, or make it again")
+    return path
+
+
+def _workdir(text: str) -> Path:
+    """argparse's ``type`` for --workdir: a directory, or a path one can be made at."""
+    path = Path(text)
+    existing = next(p for p in (path, *path.parents) if p.exists())  # "." or "/" at worst
+    if not existing.is_dir():
+        raise argparse.ArgumentTypeError(f"{existing} is a file, not a directory: name a new or existing "
+                                          "directory")
+    return path
+
+
+def _summary_json(text: str) -> Path:
+    """argparse's ``type`` for --summary-json: a file that can be written once the replay ends (checked
+    now, so a long replay does not end on a typo)."""
+    path = Path(text)
+    if path.is_dir():
+        raise argparse.ArgumentTypeError(f"{text} is a directory: name a file, e.g. {path / 'summary.json'}")
+    # Its directory is made when the replay writes it (often inside --workdir, made by the replay too).
+    existing = next(p for p in (path, *path.parents) if p.exists())
+    if existing != path and not existing.is_dir():
+        raise argparse.ArgumentTypeError(f"{existing} is a file, not a directory: name a file in a directory")
+    if not os.access(existing, os.W_OK):
+        raise argparse.ArgumentTypeError(f"{text} cannot be written (permissions): name a writable file")
+    return path
+
+
+def _number(text: str) -> float:
+    """``text`` as a float; nan (refused as nan is) when it is not a number."""
+    try:
+        return float(text)
+    except ValueError:
+        return math.nan
+
+
+def _timeout(text: str) -> float:
+    """argparse's ``type`` for --node-timeout: finite seconds > 0."""
+    value = _number(text)
+    if not (math.isfinite(value) and value > 0):
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number of seconds > 0: give e.g. 600")
+    return value
+
+
+def _delay(text: str) -> float:
+    """argparse's ``type`` for --reschedule-after: finite seconds >= 0 (0, the default: at once)."""
+    value = _number(text)
+    if not (math.isfinite(value) and value >= 0):
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number of seconds >= 0: give e.g. 30")
+    return value
+
+
+def _python_bin(text: str) -> Path:
+    """argparse's ``type`` for --python-bin: the pods' PATH must find flytekit's entry points there."""
+    path = Path(text)
+    if not path.is_dir():
+        hint = f", e.g. its directory {path.parent}" if path.is_file() else ""
+        raise argparse.ArgumentTypeError(f"{text} is not a directory: give the directory holding "
+                                          f"{' and '.join(ENTRY_POINTS)}{hint}")
+    missing = [name for name in ENTRY_POINTS if not os.access(path / name, os.X_OK)]
+    if missing:
+        raise argparse.ArgumentTypeError(f"{text} lacks {' and '.join(missing)}: give the bin directory of "
+                                          "an environment with flytekit installed")
+    return path
+
+
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     description = __doc__.split(":", 1)[1].strip().replace("\n", " ")
     parser = argparse.ArgumentParser(prog="python -m replay", description=description, epilog=EPILOG,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("package", type=Path,
+    parser.add_argument("package", type=_package, metavar="PKG",
                         help="a `pyflyte package` archive, fast-registered (--copy all) or not")
     parser.add_argument("--input", "-i", action="append", default=[], metavar="NAME=VALUE",
-                        help="override a launch-plan input (int, float, str or bool inputs); repeatable")
+                        help="override a launch-plan input (int, float, str or bool inputs, or Optional of "
+                        "one); repeatable, and the last value given for a NAME wins")
     parser.add_argument("--launch-plan", default=DEFAULT_PLAN,
                         help=f"launch plan to run (default: {DEFAULT_PLAN})")
-    parser.add_argument("--workdir", type=Path, help="where pods, logs and the store go (default: a new "
+    parser.add_argument("--workdir", type=_workdir, help="where pods, logs and the store go (default: a new "
                         "temporary directory)")
-    parser.add_argument("--store", help="object store root: a directory or s3://bucket/prefix (default: "
-                        "WORKDIR/store); for s3 set FLYTE_AWS_ENDPOINT and the FLYTE_AWS_* credentials")
+    parser.add_argument("--store", type=path_argument, help="object store root: a directory or "
+                        "s3://bucket/prefix (default: WORKDIR/store); for s3 set FLYTE_AWS_ENDPOINT and the "
+                        "FLYTE_AWS_* credentials")
     parser.add_argument("--project", default="flytesnacks", help="project to register into (%(default)s)")
     parser.add_argument("--domain", default="development", help="domain to register into (%(default)s)")
     parser.add_argument("--version", default="replay", help="version given to every registered entity")
-    parser.add_argument("--python-bin", type=Path, default=Path(sys.executable).parent,
-                        help="directory put first on the pods' PATH, standing in for the image's (default: "
-                        "this interpreter's)")
-    parser.add_argument("--node-timeout", type=float, default=1800, help="seconds before a node's pods are "
-                        "killed (default 1800)")
-    parser.add_argument("--reschedule-after", type=float, default=0.0, metavar="S",
-                        help="seconds before a lost pod of an elastic job (SIGKILLed; its workers restart on "
-                             "failure) is made again, as it waits to be scheduled (%(default)s)")
+    parser.add_argument("--python-bin", type=_python_bin, default=Path(sys.executable).parent,
+                        help="directory put first on the pods' PATH, standing in for the image's; it must "
+                        "hold pyflyte-fast-execute and pyflyte-execute (default: this interpreter's)")
+    parser.add_argument("--node-timeout", type=_timeout, default=1800,
+                        help="seconds before a node's pods are killed (default 1800)")
+    parser.add_argument("--reschedule-after", type=_delay, default=0.0, metavar="S",
+                        help="seconds before a lost pod of an elastic job (SIGKILLed; its workers "
+                        "restart on failure) is made again, as it waits to be scheduled (%(default)s)")
     parser.add_argument("--echo", action="store_true", help="stream every pod's output, prefixed by its name")
-    parser.add_argument("--summary-json", type=Path, help="write node wall times and outputs here as JSON")
+    parser.add_argument("--summary-json", type=_summary_json,
+                        help="write node wall times and outputs here as JSON")
     return parser.parse_args(argv)
 
 
 def _overrides(pairs: list[str]) -> dict[str, str]:
+    """``--input`` values by name; the last of a repeated name wins (`make replay` relies on it)."""
     out = {}
     for pair in pairs:
         name, sep, value = pair.partition("=")
@@ -133,5 +222,6 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     report(summary)
     if args.summary_json:
+        args.summary_json.parent.mkdir(parents=True, exist_ok=True)
         args.summary_json.write_text(json.dumps(summary, indent=1, default=str))
     return 0

@@ -7,6 +7,7 @@ with ``--copy all`` (fast registration) the archive also holds the code tarball 
 from __future__ import annotations
 
 import tarfile
+import zlib
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -51,27 +52,34 @@ class Package:
 def read_package(archive: Path, extract_to: Path) -> Package:
     """Parse every entity of ``archive``; the code tarball, if any, is extracted to ``extract_to``."""
     package = Package()
-    with tarfile.open(archive) as tar:
-        for member in tar.getmembers():
-            if not member.isfile():
-                continue
-            data = tar.extractfile(member).read()
-            if member.name.endswith(".tar.gz"):
-                extract_to.mkdir(parents=True, exist_ok=True)
-                package.code_tarball = extract_to / Path(member.name).name
-                package.code_tarball.write_bytes(data)
-            elif member.name.endswith("_1.pb"):
-                template = task_pb2.TaskSpec.FromString(data).template
-                package.tasks[template.id.name] = template
-            elif member.name.endswith("_2.pb"):
-                spec = workflow_pb2.WorkflowSpec.FromString(data)
-                for wf in (spec.template, *spec.sub_workflows):
-                    package.workflows[wf.id.name] = wf
-            elif member.name.endswith("_3.pb"):
-                plan = launch_plan_pb2.LaunchPlan.FromString(data)
-                package.launch_plans[plan.id.name] = plan
+    try:
+        with tarfile.open(archive) as tar:
+            for member in tar.getmembers():
+                if member.isfile():
+                    _add_member(package, member.name, tar.extractfile(member).read(), extract_to)
+    except (tarfile.TarError, EOFError, zlib.error) as exc:  # a truncated or corrupt archive
+        raise PackageError(f"{archive} is not a readable tar archive ({exc}): make it again with "
+                           "`pyflyte package`") from exc
     if not package.tasks:
         raise PackageError(f"{archive} holds no task specs: is it a `pyflyte package` output?")
     if package.fast and package.code_tarball is None:
         raise PackageError(f"{archive}: the tasks are fast-registered but the archive has no code tarball")
     return package
+
+
+def _add_member(package: Package, name: str, data: bytes, extract_to: Path) -> None:
+    """Parse one archive member into ``package`` by its name's ending (see the module's docstring)."""
+    if name.endswith(".tar.gz"):
+        extract_to.mkdir(parents=True, exist_ok=True)
+        package.code_tarball = extract_to / Path(name).name
+        package.code_tarball.write_bytes(data)
+    elif name.endswith("_1.pb"):
+        template = task_pb2.TaskSpec.FromString(data).template
+        package.tasks[template.id.name] = template
+    elif name.endswith("_2.pb"):
+        spec = workflow_pb2.WorkflowSpec.FromString(data)
+        for wf in (spec.template, *spec.sub_workflows):
+            package.workflows[wf.id.name] = wf
+    elif name.endswith("_3.pb"):
+        plan = launch_plan_pb2.LaunchPlan.FromString(data)
+        package.launch_plans[plan.id.name] = plan

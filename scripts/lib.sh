@@ -1,7 +1,8 @@
 # shellcheck shell=bash
 # Functions shared by scripts/build-image and scripts/register (sourced, not run). Both decide the same
 # things about an image name, so each decision lives here once: whether the name is one a registry accepts,
-# and whether its first part names a registry (what decides push or not, and what the cluster pulls from).
+# and whether its first part names a registry (what decides push or not, and what the cluster pulls from);
+# and both take the paths they are given as the caller's, though they run from the repository root.
 # Builtins only: sourcing it or calling its functions starts no program.
 
 # image_registry REF: print the registry (host[:port]) that REF names and succeed, or fail when it names none.
@@ -12,6 +13,18 @@ image_registry() {
     local first=${1%%/*}
     [[ $1 == */* && ( $first == *.* || $first == *:* || $first == localhost ) ]] || return 1
     printf '%s\n' "$first"
+}
+
+# absolute_path DIR PATH: PATH as an absolute path, a relative one taken as relative to DIR (the directory
+# the user ran the script from, which the scripts leave for the repository root: a path they were given means
+# what it meant where it was typed). An empty PATH stays empty (the option's "none"); nothing is resolved on
+# disk, so a path that does not exist is still the one named.
+absolute_path() {
+    if [[ -z $2 || $2 == /* ]]; then
+        printf '%s\n' "$2"
+    else
+        printf '%s/%s\n' "${1%/}" "$2"
+    fi
 }
 
 # shell_quote ARG...: the arguments as one line that a shell reads back as the same words, for the commands

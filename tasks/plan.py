@@ -214,7 +214,9 @@ def check_topology(topology: Topology, local_run: bool) -> None:
                                "cluster backend")
 
 
-SECRET_NAME = re.compile(r"^[a-z0-9]([-a-z0-9.]{0,251}[a-z0-9])?$")  # a Kubernetes secret's name
+# A Kubernetes secret's name, a DNS-1123 subdomain: at most 253 characters (the lookahead, which
+# deploy/create-secrets.sh checks as a length), each '.'-separated label starting and ending alphanumeric.
+SECRET_NAME = re.compile(r"^(?=.{1,253}\Z)[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*$")
 
 
 def check_store_secret(topology: Topology, checkpoint_uri: str) -> None:
@@ -225,7 +227,9 @@ def check_store_secret(topology: Topology, checkpoint_uri: str) -> None:
         return
     if not SECRET_NAME.match(secret):
         raise LaunchInputError(f"input store_secret={secret!r} is not a Kubernetes secret name: use "
-                               "lower-case letters, digits, '-' and '.', e.g. 'checkpoint-store'")
+                               "lower-case letters, digits, '-' and '.', each '.'-separated part starting "
+                               "and ending with a letter or digit, at most 253 characters, e.g. "
+                               "'checkpoint-store'")
     if topology.backend == SLURM_BACKEND:
         raise LaunchInputError("input store_secret is for backend 'local' or 'kubernetes': on Slurm the "
                                "connector forwards its own FLYTE_AWS_* / AWS_* settings to the job; leave "

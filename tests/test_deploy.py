@@ -470,6 +470,17 @@ def test_create_secrets_defaults_to_the_namespaces_the_page_uses(tmp_path):
     ({"FLYTE_AWS_ACCESS_KEY_ID": "only-the-id"}, "FLYTE_AWS_SECRET_ACCESS_KEY"),
     ({"FLYTE_AWS_ENDPOINT": "http://minio:9000"},
      "FLYTE_AWS_ENDPOINT is set but FLYTE_AWS_ACCESS_KEY_ID and FLYTE_AWS_SECRET_ACCESS_KEY are not"),
+    # botocore takes an endpoint only as a URL with its scheme; the pods would fail on any other.
+    ({"WANDB_API_KEY": "k", "FLYTE_AWS_ACCESS_KEY_ID": "a", "FLYTE_AWS_SECRET_ACCESS_KEY": "b",
+      "FLYTE_AWS_ENDPOINT": "minio:9000"},
+     "FLYTE_AWS_ENDPOINT=minio:9000: not an endpoint URL; botocore takes only an http:// or https:// URL"
+     " without spaces: give e.g. FLYTE_AWS_ENDPOINT=http://minio:9000"),
+    ({"FLYTE_AWS_ACCESS_KEY_ID": "a", "FLYTE_AWS_SECRET_ACCESS_KEY": "b", "FLYTE_AWS_ENDPOINT": "s3://minio"},
+     "FLYTE_AWS_ENDPOINT=s3://minio: not an endpoint URL"),
+    ({"FLYTE_AWS_ACCESS_KEY_ID": "a", "FLYTE_AWS_SECRET_ACCESS_KEY": "b", "FLYTE_AWS_ENDPOINT": "http://"},
+     "FLYTE_AWS_ENDPOINT=http://: not an endpoint URL"),
+    ({"WANDB_API_KEY": "k", "STORE_SECRET": "ckpt..store", "STORE_AWS_ACCESS_KEY_ID": "a",
+      "STORE_AWS_SECRET_ACCESS_KEY": "b"}, "STORE_SECRET=ckpt..store: not a Kubernetes Secret name"),
     ({"STORE_AWS_ACCESS_KEY_ID": "a", "STORE_AWS_SECRET_ACCESS_KEY": "b"},
      "STORE_AWS_ACCESS_KEY_ID is set but STORE_SECRET is not"),
     ({"SLURM_SSH_KEY": "{empty}", "SLURM_KNOWN_HOSTS": "{file}", "SLURM_SSH_CONFIG": "{file}"},
@@ -511,9 +522,65 @@ def test_create_secrets_with_nothing_set_names_what_it_reads(tmp_path):
     assert "ALLOW_NONE=1" in help_text
 
 
-def test_create_secrets_accepts_the_secret_names_the_plan_accepts():
+# A Secret's name is a DNS-1123 subdomain (what the API server checks): at most 253 characters of lower-case
+# letters, digits, '-' and '.', each '.'-separated label starting and ending with a letter or digit.
+SECRET_NAMES = {
+    "a": True, "ckpt-store": True, "ckpt.store.v1": True, "a--b": True, "1.2.3": True, "a" * 253: True,
+    "a..b": False, ".a": False, "a.": False, "-a": False, "a-": False, "a.-b": False, "a-.b": False,
+    "Ckpt": False, "ckpt_store": False, "a" * 254: False, "ckpt\n": False, "": False,
+}
+
+
+@pytest.mark.parametrize("name, valid", SECRET_NAMES.items(), ids=lambda v: repr(v)[:20])
+def test_create_secrets_accepts_the_secret_names_the_plan_accepts(tmp_path, name, valid):
+    assert bool(SECRET_NAME.match(name)) == valid  # tasks/plan.py's rule for the input store_secret
+    if not name:
+        return  # an empty STORE_SECRET is an unset one for the script
+    result, args, manifests = run_create_secrets(tmp_path, STORE_SECRET=name, STORE_AWS_ACCESS_KEY_ID="a",
+                                                 STORE_AWS_SECRET_ACCESS_KEY="b")
+    if valid:
+        assert result.returncode == 0, result.stderr
+        assert set(secrets_written(manifests)) == {("flytesnacks-development", name)}
+    else:
+        assert result.returncode == 2 and args == []
+        error = result.stderr  # one line, but for the name's own newline
+        assert error.startswith(f"create-secrets.sh: error: STORE_SECRET={name}: not a Kubernetes Secret "
+                                "name")
+        assert error.count("\n") == 1 + name.count("\n"), error
+        assert "at most 253 characters" in error and "e.g. checkpoint-store" in error
+
+
+def test_create_secrets_spells_the_plans_rule_once_more():
+    """The same expression (bash has no lookahead: the script checks the length apart)."""
     source = (DEPLOY / "create-secrets.sh").read_text(encoding="utf-8")
-    assert f"=~ {SECRET_NAME.pattern} ]]" in source
+    length = r"(?=.{1,253}\Z)"
+    assert length in SECRET_NAME.pattern
+    assert f"=~ {SECRET_NAME.pattern.replace(length, '')} ]]" in source
+    assert "((${#STORE_SECRET} > 253))" in source
+
+
+def own_secrets() -> dict[str, str]:
+    """The Secrets create-secrets.sh writes under names of its own, by the name deploy and the code read."""
+    return {"object store": connector_container()["envFrom"][0]["secretRef"]["name"],
+            "wandb": WANDB_SECRET.group, "slurm": SSH_KEY_SECRET[0]}
+
+
+@pytest.mark.parametrize("which", ["object store", "wandb", "slurm"])
+def test_store_secret_may_not_name_a_secret_the_script_writes_itself(tmp_path, which):
+    """Written twice, the Secret would keep only the second write's keys: refused before any write."""
+    name = own_secrets()[which]
+    ssh = tmp_path / "ssh"
+    ssh.write_text("x", encoding="utf-8")
+    result, args, _ = run_create_secrets(
+        tmp_path, STORE_SECRET=name, STORE_AWS_ACCESS_KEY_ID="a", STORE_AWS_SECRET_ACCESS_KEY="b",
+        FLYTE_AWS_ACCESS_KEY_ID="c", FLYTE_AWS_SECRET_ACCESS_KEY="d", WANDB_API_KEY="w",
+        SLURM_SSH_KEY=str(ssh), SLURM_KNOWN_HOSTS=str(ssh), SLURM_SSH_CONFIG=str(ssh),
+        EXEC_NAMESPACES="flyte team-development")  # the connector's namespace runs tasks too
+    assert result.returncode == 2 and args == []
+    [line] = result.stderr.splitlines()
+    assert line.startswith(f"create-secrets.sh: error: STORE_SECRET={name} names the Secret {name} that this "
+                           "script writes itself"), line
+    assert "give the checkpoint store's Secret another name (e.g. checkpoint-store)" in line
 
 
 def test_create_secrets_is_strict_bash_that_passes_shellcheck():

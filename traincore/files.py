@@ -50,6 +50,17 @@ def path_argument(text: str) -> str:
     return text
 
 
+def local_path_argument(text: str) -> str:
+    """argparse's ``type`` for a path flag that takes no object-store URI: :func:`path_argument`, and a URI
+    (read as a local path, ``s3://b/m`` would become the directory ``s3:/b``) is refused with the fix."""
+    text = path_argument(text)
+    if "://" in text and not text.startswith("file://"):
+        raise argparse.ArgumentTypeError(f"{text!r} is an object-store URI, and this flag takes a local "
+                                         "path: copy it to this machine first (e.g. aws s3 cp --recursive "
+                                         "URI DIR)")
+    return text.removeprefix("file://")
+
+
 def fsync_path(path: str | Path) -> None:
     """fsync a file or a directory by path (a directory's fsync makes a rename inside it durable)."""
     fd = os.open(path, os.O_RDONLY)
@@ -91,6 +102,25 @@ def write_atomically(path: str | Path, data: str | bytes) -> None:
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
+
+
+def give_default_mode(path: str | Path) -> None:
+    """Give ``path`` the mode ``open()`` gives a new file (0666 less the umask): safetensors writes through a
+    private temporary file and leaves its output 0600, readable by its owner only."""
+    os.chmod(path, 0o666 & ~_umask())
+
+
+def _umask() -> int:
+    """The process's umask, read without changing it where Linux shows it (os.umask sets it to read it)."""
+    try:
+        for line in open("/proc/self/status"):
+            if line.startswith("Umask:"):
+                return int(line.split()[1], 8)
+    except OSError:
+        pass
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
 
 
 def write_durably(path: str | Path, data: str | bytes) -> None:

@@ -12,7 +12,7 @@ import time
 
 from traincore.config import ConfigError, DataConfig
 from traincore.data import StagingError, directory_bytes, stage, summary
-from traincore.files import path_argument
+from traincore.files import local_path_argument
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -22,7 +22,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--source", required=True,
                         help="digits | synthetic | imagefolder:<path-or-URI> (file://, s3://, gs://...) | "
                              "python:<module>:<callable> (a dataset factory of yours)")
-    parser.add_argument("--output", required=True, type=path_argument,
+    parser.add_argument("--output", required=True, type=local_path_argument,
                         help="directory to create (published atomically)")
     parser.add_argument("--image-size", type=int, default=defaults.image_size, help="square side in pixels")
     parser.add_argument("--channels", type=int, default=defaults.channels, choices=(1, 3))

@@ -182,12 +182,12 @@ def test_merge_keeps_the_benchmarks_not_run_with_their_run(tmp_path):
                               {"benchmark": "sharded", "results": [{"mode": "old"}]}]}
     (tmp_path / "latest.json").write_text(json.dumps(earlier))
     fresh = [{"benchmark": "sharded", "results": [{"mode": "new"}]}]
-    results = run.merged(tmp_path / "latest.json", fresh)
+    results = run.merged(run.read_previous(tmp_path / "latest.json"), fresh)
     assert [r["benchmark"] for r in results] == ["loader", "sharded"]  # in BENCHMARKS order
     assert results[1] == fresh[0] and results[0]["measured_in"]["command"] == "python bench/run.py"
     table = run.markdown(run.machine_info(), results, "python bench/run.py --only sharded --merge")
     assert "From an earlier run: `python bench/run.py` on then, git abc1234" in table
-    assert run.merged(tmp_path / "absent.json", fresh) == fresh
+    assert run.read_previous(tmp_path / "absent.json") is None and run.merged(None, fresh) == fresh
 
 
 def test_object_store_bench_saves_into_a_local_s3_server_and_compares(tiny_results):

@@ -155,6 +155,34 @@ def test_other_bad_settings_are_refused_with_one_line_before_any_build(podman_lo
     assert not podman_log.exists()
 
 
+def test_relative_paths_are_the_callers(podman_log, tmp_path):
+    """--wheels and --ca-bundle are relative to where build-image is run, not to the repository root."""
+    cwd = tmp_path.resolve()
+    (cwd / "wh").mkdir()
+    (cwd / "ca.pem").write_text("-----BEGIN CERTIFICATE-----\n")
+    env = {k: v for k, v in os.environ.items() if k != "PWD"}
+    env["PATH"] = f"{podman_log.parent / 'bin'}{os.pathsep}{env['PATH']}"
+    script = [str(REPO / "scripts" / "build-image"), "--tag", "ghcr.io/acme/ftp:v1"]
+    run = subprocess.run([*script, "--wheels", "wh", "--ca-bundle", "ca.pem"], cwd=cwd, capture_output=True,
+                         text=True, timeout=60, env=env)
+    assert run.returncode == 0, run.stderr
+    [build] = [call for call in podman_log.read_text().splitlines() if call.startswith("build ")]
+    assert f"--volume {cwd}/wh:/tmp/wheels/0:ro" in build
+    assert f"--volume {cwd}/ca.pem:/tmp/ca-bundle.pem:ro" in build
+    # A path that is not there is named as given.
+    for option, path, words in (("--wheels", "no-wh", "not a directory"), ("--ca-bundle", "no.pem",
+                                                                             "not a readable file")):
+        run = subprocess.run([*script, option, path], cwd=cwd, capture_output=True, text=True, timeout=60,
+                             env=env)
+        assert run.returncode == 2
+        assert run.stderr.startswith(f"build-image: error: {option} {path}: {words}; "), run.stderr
+
+
+def test_make_image_takes_relative_paths_from_the_repository_root(podman_log):
+    _, _, build = make_image(podman_log, "IMAGE=ghcr.io/acme/ftp:v1", "BUILD_OPTS=--wheels dockerfiles")
+    assert f"--volume {REPO}/dockerfiles:/tmp/wheels/0:ro" in build
+
+
 def test_the_printed_register_command_can_be_pasted(podman_log):
     run, _, _ = make_image(podman_log, "IMAGE=registry.example.com:5000/team/ftp:v1")
     [line] = [line for line in run.stderr.splitlines() if "register with it: " in line]

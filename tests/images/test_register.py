@@ -171,6 +171,52 @@ def test_the_printed_flytectl_command_can_be_pasted(tmp_path):
         str(package), "--version", "v1"]
 
 
+def test_a_yaml_config_whose_path_has_a_space_is_read_as_yaml(tmp_path):
+    """The file's kind is told by its name, not by the name as quoted for a message."""
+    port = closed_port()
+    config = tmp_path / "dir with space" / "c.yaml"
+    config.parent.mkdir()
+    config.write_text(f"admin:\n  endpoint: dns:///127.0.0.1:{port}\n  insecure: true\n")
+    run = register(stub_pyflyte(tmp_path), "--config", str(config))
+    assert run.returncode == 2
+    [line] = error_lines(run)
+    assert line.startswith(f"register: error: the Flyte endpoint dns:///127.0.0.1:{port} (admin.endpoint of "
+                           f"{shlex.quote(str(config))}) is not reachable"), line
+    assert pyflyte_calls(tmp_path) == []
+
+
+def register_from(cwd: Path, pyflyte: str, *args: str) -> subprocess.CompletedProcess:
+    """scripts/register run from CWD (not the repository root), PYFLYTE as given."""
+    base = {k: v for k, v in os.environ.items()
+            if k.lower() not in ("grpc_proxy", "https_proxy", "http_proxy", "flyte_platform_url", "pwd")}
+    return subprocess.run([str(REGISTER), "--image", IMAGE, *args], capture_output=True, text=True,
+                          timeout=60, cwd=cwd, env={**base, "PYFLYTE": pyflyte})
+
+
+def test_relative_paths_are_the_callers(tmp_path, listening_port):
+    """--config, --package and PYFLYTE are relative to where it is run, not to the repository root."""
+    cwd = tmp_path.resolve()
+    stub_pyflyte(cwd)
+    (cwd / "my.yaml").write_text(f"admin:\n  endpoint: dns:///127.0.0.1:{listening_port}\n")
+    run = register_from(cwd, "./pyflyte", "--config", "my.yaml")
+    assert run.returncode == 0, run.stderr
+    [call] = pyflyte_calls(cwd)
+    assert call.startswith(f"--config {cwd}/my.yaml register --image {IMAGE} "), call
+    # The commands printed for pasting name it as given: they are pasted where it was typed.
+    assert "pyflyte --config my.yaml launchplan" in run.stderr
+
+    run = register_from(cwd, "./pyflyte", "--package", "out/pkg.tgz", "--version", "v1")
+    assert run.returncode == 0, run.stderr
+    assert pyflyte_calls(cwd)[-1].endswith(f" --output {cwd}/out/pkg.tgz")  # not into the repository
+    assert (cwd / "out").is_dir() and not (REPO / "out").exists()
+    assert "--archive out/pkg.tgz --version v1" in run.stderr
+
+    run = register_from(cwd, "./pyflyte", "--config", "missing.yaml")
+    assert run.returncode == 2
+    assert error_lines(run) == ["register: error: config missing.yaml not found: pass CONFIG=<your pyflyte "
+                                "config> (flyte.config targets a local sandbox)"]
+
+
 @pytest.mark.parametrize("args, line", [
     (["--image", "ghcr.io/Acme/ftp:v1"], "register: error: IMAGE=ghcr.io/Acme/ftp:v1 is not a valid image "
                                          "name: upper-case letters in the repository path 'Acme/ftp'; use "

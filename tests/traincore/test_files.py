@@ -1,4 +1,4 @@
-"""Path and URI flags of the traincore CLIs (traincore.files.path_argument)."""
+"""Path and URI flags of the traincore CLIs (traincore.files.path_argument, local_path_argument)."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import argparse
 
 import pytest
 
-from traincore.files import path_argument
+from traincore.files import local_path_argument, path_argument
 
 
 @pytest.mark.parametrize("text", ["runs/a", "/abs/path", "file:///tmp/x", "s3://bucket/run", "memory://b/x"])
@@ -25,3 +25,19 @@ def test_an_empty_path_or_a_uri_no_store_can_open_is_refused(text, message):
     with pytest.raises(argparse.ArgumentTypeError) as caught:
         path_argument(text)
     assert message in str(caught.value), caught.value
+
+
+def test_a_flag_that_takes_a_local_path_refuses_an_object_store_uri(capsys):
+    from traincore.artifacts.evaluate import main as evaluate
+
+    assert local_path_argument("runs/a") == "runs/a"
+    assert local_path_argument("file:///tmp/x") == "/tmp/x"  # read as a path, "file:" would be a directory
+    with pytest.raises(argparse.ArgumentTypeError,
+                       match=r"'s3://b/m.safetensors' is an object-store URI, and this flag takes a local"):
+        local_path_argument("s3://b/m.safetensors")
+    with pytest.raises(argparse.ArgumentTypeError, match="names no bucket"):
+        local_path_argument("s3://")
+    # once: "exported model s3:/b/m.safetensors ... is missing: run python -m traincore.export ..."
+    with pytest.raises(SystemExit):
+        evaluate(["--model", "s3://b/m.safetensors", "--data", "staged"])
+    assert "argument --model: 's3://b/m.safetensors' is an object-store URI" in capsys.readouterr().err

@@ -27,7 +27,7 @@ from traincore.data import (
     eval_batches,
     open_streamed,
 )
-from traincore.files import path_argument
+from traincore.files import local_path_argument, path_argument
 
 
 @dataclass
@@ -156,7 +156,7 @@ def format_result(result: EvalResult) -> str:
 def main(argv: list[str] | None = None) -> int:
     """CLI: print the accuracy line; exit code 2 for a missing model, unusable data or a bad argument."""
     parser = argparse.ArgumentParser(prog="python -m traincore.evaluate", description=__doc__.splitlines()[0])
-    parser.add_argument("--model", required=True, type=path_argument,
+    parser.add_argument("--model", required=True, type=local_path_argument,
                         help="exported model.safetensors (python -m traincore.export)")
     parser.add_argument("--data", required=True, type=path_argument, help="staged dataset directory")
     parser.add_argument("--split", default="test", help="train | val | test")

@@ -44,7 +44,7 @@ from traincore.checkpoint import (
     verify_checkpoint,
 )
 from traincore.config import VALIDATION_METRICS, ModelConfig
-from traincore.files import path_argument, publish, sha256_file, write_atomically
+from traincore.files import give_default_mode, local_path_argument, publish, sha256_file, write_atomically
 from traincore.model import ModelImportError, build_model, check_trusted, parameter_count
 
 
@@ -219,6 +219,7 @@ def export(checkpoint: str | Path, output: str | Path, lineage: Lineage | None =
         cast = EXPORT_DTYPES[dtype]
         save_file({name: (tensor.to(cast) if tensor.is_floating_point() else tensor).contiguous()
                    for name, tensor in weights.items()}, tmp)
+        give_default_mode(tmp)  # readable as its model.json and lineage are
         config["dtype"] = dtype
         # The model is rebuilt from the written file, not from memory: what is published is what was proven.
         model = _load(tmp, config, f"checkpoint {directory}")
@@ -393,9 +394,9 @@ def trust_from_args(args: argparse.Namespace) -> bool | str:
 def main(argv: list[str] | None = None) -> int:
     """CLI: export and print one summary line; exit code 2 for a missing or unusable checkpoint."""
     parser = argparse.ArgumentParser(prog="python -m traincore.export", description=__doc__.splitlines()[0])
-    parser.add_argument("--checkpoint", required=True, type=path_argument,
+    parser.add_argument("--checkpoint", required=True, type=local_path_argument,
                         help="a step directory or a checkpoints root")
-    parser.add_argument("--output", required=True, type=path_argument,
+    parser.add_argument("--output", required=True, type=local_path_argument,
                         help="where to write model.safetensors")
     parser.add_argument("--dtype", default="float32", choices=list(EXPORT_DTYPES),
                         help="what the floating-point weights are stored as (default float32)")

@@ -44,7 +44,7 @@ from traincore.artifacts.export import (
     trust_from_args,
 )
 from traincore.artifacts.lineage import LINEAGE_FILE, Lineage, LineageError
-from traincore.files import fsync_path, publish, publish_directory
+from traincore.files import fsync_path, local_path_argument, path_argument, publish, publish_directory
 from traincore.model import ModelImportError
 
 LATEST = "latest"
@@ -89,13 +89,19 @@ class Registry:
         return sorted(name for name in names if VERSION_NAME.match(name))
 
     def latest(self) -> str | None:
-        """The version ``latest`` names; None before the first publication."""
+        """The version ``latest`` names; None before the first publication; RegistryError if it names no
+        complete version."""
+        version = self.pointer()
+        if version is not None:
+            self.check_version(version, f"{self._path(LATEST)} names {version!r}, which")
+        return version
+
+    def pointer(self) -> str | None:
+        """What ``latest`` holds, unchecked (a rollback repairs one that names no complete version)."""
         path = self._path(LATEST)
         if not self.fs.exists(path):
             return None
-        version = self.fs.cat_file(path).decode("utf-8", errors="replace").strip()
-        self.check_version(version, f"{path} names {version!r}, which")
-        return version
+        return self.fs.cat_file(path).decode("utf-8", errors="replace").strip()
 
     def check_version(self, version: str, what: str = "") -> None:
         """RegistryError unless ``version`` is a complete version here; ``what`` starts the message."""
@@ -264,19 +270,35 @@ def _summary(registry: Registry, version: str) -> str:
             f"{lineage.config_hash[:12] or '-'}  {lineage.code_version or '-'}")
 
 
+def _listing(registry: Registry) -> str:
+    """The versions, oldest first, ``*`` marking latest; a ``latest`` that names no complete version is
+    shown with the rollback that repairs it."""
+    versions, latest = registry.versions(), registry.pointer()
+    if registry.local and not Path(registry.root).exists():
+        return (f"{registry.uri} does not exist: no promotion has published there yet (or the path is "
+                "mistyped)")
+    if not versions:
+        return f"{registry.uri} holds no published version yet: a promotion publishes the first one"
+    lines = [f"{'*' if version == latest else ' '} {_summary(registry, version)}" for version in versions]
+    header = f"{registry.uri}: {len(versions)} version(s), latest {latest} (*)"
+    if latest not in versions:
+        header = (f"{registry.uri}: {len(versions)} version(s); latest names {latest!r}, which is not one of "
+                  f"them: point it at one with python -m traincore.registry rollback {registry.uri} VERSION")
+    return "\n".join([header, *lines])
+
+
 def run_command(args: argparse.Namespace) -> str:
     """What the CLI prints for ``args``; RegistryError for what it cannot do."""
     registry = Registry(args.uri)
+    if registry.local and Path(registry.root).exists() and not Path(registry.root).is_dir():
+        raise RegistryError(f"the registry {registry.uri} is not a directory: give the directory a promotion "
+                            "publishes into (its promoted_uri)")
     if args.command == "list":
-        versions, latest = registry.versions(), registry.latest()
-        if not versions:
-            return f"{registry.uri} holds no published version yet: a promotion publishes the first one"
-        lines = [f"{'*' if version == latest else ' '} {_summary(registry, version)}" for version in versions]
-        return "\n".join([f"{registry.uri}: {len(versions)} version(s), latest {latest} (*)", *lines])
+        return _listing(registry)
     if args.command == "show":
         return registry.lineage(args.version).to_json()
     if args.command == "rollback":
-        previous = registry.latest()
+        previous = registry.pointer()
         registry.set_latest(args.version)
         return f"{registry.uri}: latest -> {args.version} (was {previous})"
     model_dir = Path(args.model_dir)
@@ -291,15 +313,17 @@ def main(argv: list[str] | None = None) -> int:
     """CLI: list, show, rollback, publish; exit code 2 with the reason on stderr when it cannot."""
     parser = argparse.ArgumentParser(prog="python -m traincore.registry", description=__doc__.splitlines()[0])
     commands = parser.add_subparsers(dest="command", required=True)
-    commands.add_parser("list", help="versions, oldest first; * marks latest").add_argument("uri")
+    commands.add_parser("list", help="versions, oldest first; * marks latest").add_argument(
+        "uri", type=path_argument)
     for name, text in (("show", "print a version's lineage.json"),
                        ("rollback", "point latest at an earlier (or any complete) version")):
         command = commands.add_parser(name, help=text)
-        command.add_argument("uri")
+        command.add_argument("uri", type=path_argument)
         command.add_argument("version")
     publish = commands.add_parser("publish", help="publish an exported model directory and make it latest")
-    publish.add_argument("uri")
-    publish.add_argument("model_dir", help="holds model.safetensors, model.json and lineage.json")
+    publish.add_argument("uri", type=path_argument)
+    publish.add_argument("model_dir", type=local_path_argument,
+                         help="holds model.safetensors, model.json and lineage.json")
     add_trust_flags(publish)
     args = parser.parse_args(argv)
     try:

@@ -63,7 +63,7 @@ from traincore.checkpoint.errors import CheckpointError, write_error
 from traincore.checkpoint.format import flat_shapes, load_tensors, open_saved, split_tensors
 from traincore.checkpoint.layout import EXTRA_FILE, STATE_FILE, step_dirs, step_store
 from traincore.checkpoint.prune import clear_step, prune, remove_step
-from traincore.checkpoint.resume import RunFit, check_fit, choose_step
+from traincore.checkpoint.resume import RunFit, changed_settings, check_fit, choose_step
 from traincore.checkpoint.store import Store, as_store
 from traincore.checkpoint.writer import save_to_store, serialize, write_to_store
 from traincore.config import CheckpointConfig
@@ -352,6 +352,8 @@ class Checkpointer:
                      "matched to ranks, keeping the current one", len(saved.per_rank), self.world_size)
         self.registry.load(saved.shared, rank_state)
         log.info("resumed from %s (step %d, mode %s)", directory, saved.step, marker["mode"])
+        if changes := changed_settings(saved.shared, state):
+            log.info("the run continues with settings other than the checkpoint's: %s", ", ".join(changes))
         self.committed = chosen
         return saved.step
 

@@ -134,6 +134,26 @@ def check_fit(directory: Store, saved: SavedState, run: RunFit, data: str = "thi
                               "checkpoint root")
 
 
+RESUMED_SETTINGS = ("optim.*", "loader.batch_size", "loader.shuffle", "train.seed", "train.grad_accum_steps",
+                    "train.global_batch", "train.bf16")
+"""The settings a resume may change but that change what the following steps do: a resume names them
+(a longer train.max_steps, the usual reason to resume, is not among them)."""
+
+
+def changed_settings(saved: dict[str, Any], run: dict[str, Any]) -> list[str]:
+    """``field old -> new`` for each of :data:`RESUMED_SETTINGS` in which the ``run`` records (shared
+    state: its ``run`` member's config) of a checkpoint and of the run that resumes it differ."""
+    theirs, ours = saved.get("run", {}).get("config", {}), run.get("run", {}).get("config", {})
+    changes = []
+    for setting in RESUMED_SETTINGS:
+        section, _, name = setting.partition(".")
+        before, after = theirs.get(section, {}), ours.get(section, {})
+        names = sorted(set(before) | set(after)) if name == "*" else [name]
+        changes += [f"{section}.{key} {before[key]!r} -> {after[key]!r}" for key in names
+                    if key in before and key in after and before[key] != after[key]]
+    return changes
+
+
 def _differs(saved: Any, current: Any) -> bool:
     return saved is not None and current is not None and saved != current
 

@@ -511,6 +511,10 @@ class TrainConfig:
             ok = len(parts) == 2 and all(_digits(p) for p in parts) and int(parts[0]) < int(parts[1])
             _check(ok, "train.profile_steps", self.profile_steps,
                    "must look like 'START:END' with START < END")
+            # Steps count from 0: a window from max_steps on would record nothing.
+            _check(not self.max_steps or int(parts[0]) < self.max_steps, "train.profile_steps",
+                   self.profile_steps, f"starts after the run's last step ({self.max_steps - 1}; steps count "
+                   f"from 0 to train.max_steps - 1): choose a window that starts below {self.max_steps}")
 
     def _check_early_stopping(self) -> None:
         stopping, example = self.early_stopping, '{"patience": 3, "min_delta": 0.001}'

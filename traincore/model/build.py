@@ -112,10 +112,15 @@ def check_trusted(name: str, trust_model: bool | str, source: str) -> None:
     imported one (``"<module>:<callable>"``) only when ``trust_model`` is True or that same import path.
     A model file names the code that rebuilds it, and importing that code runs it: as with Hugging Face's
     ``trust_remote_code``, running it is the user's choice, never the file's."""
-    if is_imported_model(name) and trust_model is not True and trust_model != name:
+    if not is_imported_model(name) or trust_model is True or trust_model == name:
+        return
+    if isinstance(trust_model, str) and trust_model:
         raise ModelImportError(
-            f"{source} was trained with the imported model {name!r}: rebuilding it imports and runs that "
-            f"module's code, which only you can allow: pass {TRUST_FLAGS} ({name})")
+            f"{source} was trained with the imported model {name!r}, not {trust_model!r} that you allowed: "
+            f"pass the import path it names ({name}) if you trust that module's code")
+    raise ModelImportError(
+        f"{source} was trained with the imported model {name!r}: rebuilding it imports and runs that "
+        f"module's code, which only you can allow: pass {TRUST_FLAGS} ({name})")
 
 
 def shard_units(model: nn.Module, name: str = "") -> list[nn.Module]:

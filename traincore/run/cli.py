@@ -29,10 +29,10 @@ from torch.distributed.elastic.multiprocessing.api import SignalException
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 
 from traincore.checkpoint import CheckpointError, as_store, complete_steps
-from traincore.config import PARALLELISMS, PRESETS, Config, ConfigError, build_config
-from traincore.data import Manifest, StagingError
+from traincore.config import PARALLELISMS, PRESETS, Config, ConfigError, build_config, parse_source, preset
+from traincore.data import Manifest, StagingError, dataset_manifest
 from traincore.exitcodes import PREEMPTED_EXIT_CODE
-from traincore.files import path_argument
+from traincore.files import local_path_argument, path_argument
 from traincore.run.launch import (
     launch_local,
     name_worker,
@@ -53,7 +53,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--data", required=True, type=path_argument,
                         help="staged dataset (python -m traincore.stage): a directory, or an object-store "
                              "URI such as s3://bucket/staged/digits (streamed; see loader.cache_bytes)")
-    parser.add_argument("--output", required=True, type=path_argument,
+    parser.add_argument("--output", required=True, type=local_path_argument,
                         help="run directory: checkpoints, TensorBoard, metrics.jsonl")
     parser.add_argument("--preset", default="digits", choices=sorted(PRESETS), help="starting config")
     parser.add_argument("--config", default="",
@@ -113,6 +113,35 @@ def config_from_args(args: argparse.Namespace) -> Config:
         settings.update({"train.epochs": args.epochs, "train.max_steps": 0})
     return build_config(args.preset, read_config_flag(args.config),
                         {key: value for key, value in settings.items() if value is not None}, _FLAGS)
+
+
+STAGED_FIELDS = ("source", "image_size", "channels", "seed", "val_fraction", "test_fraction",
+                 "synthetic_samples", "synthetic_classes")
+"""The data fields that decide what staging writes: training reads the staged data as it is."""
+
+
+def check_staged_settings(cfg: Config, args: argparse.Namespace) -> None:
+    """ConfigError for a ``data.*`` field that --config sets (unlike the preset) and that the staged data
+    was not staged with: training reads the staging as it is, so that setting would be ignored in silence."""
+    base = preset(args.preset).data
+    given = {name: getattr(cfg.data, name) for name in STAGED_FIELDS
+             if getattr(cfg.data, name) != getattr(base, name)}
+    if not given:
+        return
+    manifest = dataset_manifest(as_store(args.data))
+    staged = {"source": manifest.source, **manifest.config}
+    kind = parse_source(staged["source"])[0]
+    if kind != "synthetic":  # other sources ignore synthetic_*
+        given = {name: value for name, value in given.items() if not name.startswith("synthetic_")}
+    # A source of the staging's kind may name its files another way (a relative path, a URI).
+    differing = [f"data.{name}={value!r} ({staged[name]!r} staged)" for name, value in given.items()
+                 if (parse_source(value)[0] != kind if name == "source"
+                     else staged.get(name, value) != value)]
+    if differing:
+        raise ConfigError(
+            f"--config sets {', '.join(differing)}, but training reads {args.data} as it was staged: stage "
+            f"it again with those settings (python -m traincore.stage ... --output {args.data} --overwrite) "
+            "or leave them out")
 
 
 def read_config_flag(value: str) -> str:
@@ -227,6 +256,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         check_launch_flags(args)
         cfg = config_from_args(args)
+        check_staged_settings(cfg, args)
         if (args.nproc_per_node or 1) == 1 and not args.max_restarts:  # nothing to launch: train here
             summary = Trainer(cfg, args.data, args.output, args.checkpoint_dir, started_at=started_at).train()
         else:

@@ -319,6 +319,10 @@ class Trainer:
                  max(1, self.loader.steps_per_epoch // accum), self.step_batch_size,
                  f" ({accum} accumulated batches of {self.loader.global_batch_size})" if accum > 1 else "",
                  f", resumed from step {resumed} in {self.checkpoint_root}" if resumed else "")
+        window = self.cfg.train.profile_window()
+        if window and self.ctx.is_main and not (resumed or 0) <= window[0] < self.end_step:
+            log.warning("train.profile_steps %s: this run trains steps %d to %d, so nothing is profiled",
+                        self.cfg.train.profile_steps, resumed or 0, self.end_step - 1)
         self.startup.mark("checkpoint look-up")
         return resumed
 

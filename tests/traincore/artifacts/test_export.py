@@ -95,7 +95,15 @@ def test_export_stores_the_weights_in_the_dtype_asked_for(tmp_path, dtype, cast)
 
 def test_export_from_a_step_directory(tmp_path):
     trained_checkpoint(tmp_path, "sync", steps=2)
-    assert export(step_dir(tmp_path, 2), tmp_path / "m.safetensors").step == 2
+    previous = os.umask(0o027)
+    try:
+        result = export(step_dir(tmp_path, 2), tmp_path / "m.safetensors")
+    finally:
+        os.umask(previous)
+    assert result.step == 2
+    # The weights are as readable as the config beside them (safetensors alone would leave them 0600).
+    modes = {Path(path).stat().st_mode & 0o777 for path in (result.path, result.config_path)}
+    assert modes == {0o640}
 
 
 def test_corrupted_export_is_rejected(tmp_path):

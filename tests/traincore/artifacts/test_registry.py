@@ -104,8 +104,19 @@ def test_rollback_points_latest_at_an_earlier_version(models, tmp_path, capsys):
 
 
 def test_cli_errors_name_the_problem(models, tmp_path, capsys):
-    assert main(["list", str(tmp_path / "none")]) == 0
+    assert main(["list", str(tmp_path)]) == 0
     assert "holds no published version yet: a promotion publishes the first one" in capsys.readouterr().out
+    assert main(["list", str(tmp_path / "none")]) == 0
+    assert "none does not exist: no promotion has published there yet (or the path is mistyped)" in (
+        capsys.readouterr().out)
+    (tmp_path / "file").write_text("")
+    assert main(["list", str(tmp_path / "file")]) == 2
+    assert "file is not a directory: give the directory a promotion publishes" in capsys.readouterr().err
+    # A location no store holds is refused by argparse, not read as a local directory 's3:' or a traceback.
+    for uri, problem in (("s3://", "names no bucket"), ("foo://b/x", "unknown scheme foo://")):
+        with pytest.raises(SystemExit) as exit_:
+            main(["list", uri])
+        assert exit_.value.code == 2 and problem in capsys.readouterr().err
     assert main(["rollback", str(tmp_path), "20260101-000000-abcdef12"]) == 2
     err = capsys.readouterr().err
     assert "version '20260101-000000-abcdef12' is not a complete version of the registry" in err
@@ -115,6 +126,22 @@ def test_cli_errors_name_the_problem(models, tmp_path, capsys):
     with pytest.raises(RegistryError, match="latest names '20260101-000000-abcdef12', which is not a "
                                             "complete"):
         Registry(str(tmp_path)).latest()
+
+
+def test_a_latest_that_names_no_version_is_listed_and_repaired_by_a_rollback(models, tmp_path, capsys):
+    registry = Registry(str(tmp_path))
+    version = registry.publish(models[0], lineage_of(models[0]))
+    (tmp_path / "latest").write_text("20260101-000000-abcdef12\n")  # its version deleted by hand
+    assert main(["list", str(tmp_path)]) == 0
+    listing = capsys.readouterr().out.splitlines()
+    assert listing[0] == (f"{tmp_path}: 1 version(s); latest names '20260101-000000-abcdef12', which is not "
+                          f"one of them: point it at one with python -m traincore.registry rollback "
+                          f"{tmp_path} VERSION")
+    assert listing[1].startswith(f"  {version}")
+    assert main(["rollback", str(tmp_path), version]) == 0
+    assert capsys.readouterr().out.strip() == (f"{tmp_path}: latest -> {version} (was "
+                                               "20260101-000000-abcdef12)")
+    assert Registry(str(tmp_path)).latest() == version
 
 
 def test_cli_publishes_an_export_by_hand(models, tmp_path, capsys):

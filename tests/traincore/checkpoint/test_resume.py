@@ -80,6 +80,22 @@ def test_a_loader_position_in_a_split_of_another_size_is_refused(synthetic_dir, 
         Checkpointer(tmp_path, CheckpointConfig(), registry("val")).load()
 
 
+def test_a_resume_names_the_settings_it_changes(synthetic_dir, tmp_path, caplog):
+    """Another learning rate or batch size is the user's choice on resume, but never a silent one; a longer
+    run (the usual reason to resume) is not named."""
+    base = debug().with_overrides({"telemetry.tensorboard": False, "model.name": "mlp", "model.width": 8,
+                                   "loader.batch_size": 16, "checkpoint.every": 2})
+    Trainer(base.with_overrides({"train.max_steps": 2}), synthetic_dir, tmp_path / "run").train()
+    changed = base.with_overrides({"train.max_steps": 4, "optim.lr": base.optim.lr * 2,
+                                   "loader.batch_size": 8})
+    caplog.set_level(logging.INFO, logger="traincore.checkpoint.checkpointer")
+    Trainer(changed, synthetic_dir, tmp_path / "run").train()
+    lines = [record.getMessage() for record in caplog.records]
+    line = next(line for line in lines if "settings other than the checkpoint's" in line)
+    assert line.endswith(f"optim.lr {base.optim.lr!r} -> {base.optim.lr * 2!r}, loader.batch_size 16 -> 8")
+    assert "max_steps" not in line
+
+
 def _damage(directory) -> None:
     """Flip a byte in the middle of every file the marker lists but the marker itself."""
     for name in read_marker(directory)["files"]:

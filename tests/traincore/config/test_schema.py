@@ -153,6 +153,9 @@ def test_wrong_types_say_how_to_write_the_value(overrides, message):
     ({"train.seed": 2**64}, f"train.seed={2**64} is invalid: must be <= {2**63 - 1}"),
     ({"dist.init_timeout_s": 10**12}, "dist.init_timeout_s=1000000000000 is invalid: must be <= 2147483647"),
     ({"train.profile_steps": "²:³"}, "must look like 'START:END'"),  # digits to isdigit(), not to int()
+    # a window past the last step once profiled nothing without a word:
+    ({"train.max_steps": 30, "train.profile_steps": "30:40"},
+     "train.profile_steps='30:40' is invalid: starts after the run's last step (29;"),
     ({"checkpoint.resume": "١٢"}, "checkpoint.resume='١٢' is invalid"),
     # 0-255 statistics once trained in silence on inputs normalised far off scale:
     ({"data.channels": 1, "data.mean": [50], "data.std": [1]}, "data.mean=[50] is invalid: expected a list "

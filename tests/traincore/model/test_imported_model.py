@@ -289,6 +289,11 @@ def test_rebuilding_an_imported_model_is_the_users_choice():
     check_trusted(FACTORY, FACTORY, "x")
     with pytest.raises(ModelImportError, match=r"exported model m.safetensors was trained with the imported "
                                                r"model 'acmenet.models:build': .* --trust-model-code"):
+        check_trusted(FACTORY, False, "exported model m.safetensors")
+    # --model-name naming another factory: the message names both, not "allow it"
+    with pytest.raises(ModelImportError, match=r"'acmenet.models:build', not 'acmenet.models:other' that "
+                                               r"you allowed: pass the import path it names "
+                                               r"\(acmenet.models:build\)"):
         check_trusted(FACTORY, "acmenet.models:other", "exported model m.safetensors")
 
 

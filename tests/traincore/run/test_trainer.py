@@ -110,6 +110,10 @@ def test_resume_on_a_different_world_size(data_dir, saved, forked_train, tmp_pat
     (["--config", '{"loader": {"batch_size": 100000}}'], "lower loader.batch_size"),
     (["--config", '{"nope": {}}'], "unknown config section 'nope'"),
     (["--checkpoint-mode", "dcp", "--config", "{not json"], "not valid JSON"),
+    # staging's settings, once ignored in silence: the staged data (12 px, 480 samples) is read as it is
+    (["--config", '{"data": {"image_size": 64}}'], "--config sets data.image_size=64 (12 staged), but "),
+    (["--config", '{"data.synthetic_samples": 100, "data.seed": 3}'],
+     "--config sets data.seed=3 (0 staged), data.synthetic_samples=100 (480 staged), but training reads"),
 ])
 def test_bad_config_is_rejected_before_any_process_group(data_dir, tmp_path, flags, message, monkeypatch,
                                                          capsys, listening_port):

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import logging
+import re
 
 import torch
 
@@ -51,3 +53,15 @@ def test_trainer_writes_the_configured_window(synthetic_dir, tmp_path):
     Trainer(cfg, synthetic_dir, tmp_path / "run").train()
     trace = json.loads((tmp_path / "run" / "profile" / "trace-rank0.json").read_text())
     assert trace["traceEvents"]
+
+
+def test_a_window_the_run_does_not_reach_is_named(synthetic_dir, tmp_path, caplog):
+    # An epoch-bounded run learns its last step only from the data: the trainer says so, it does not refuse.
+    cfg = debug().with_overrides({"train.max_steps": 0, "train.epochs": 1, "train.profile_steps": "900:910",
+                                  "loader.batch_size": 16, "telemetry.tensorboard": False})
+    with caplog.at_level(logging.WARNING, logger="traincore.run.trainer"):
+        Trainer(cfg, synthetic_dir, tmp_path / "run").train()
+    assert re.search(r"train.profile_steps 900:910: this run trains steps 0 to \d+, so nothing is profiled",
+                     caplog.text)
+    assert not (tmp_path / "run" / "profile").exists()
+

@@ -1,0 +1,217 @@
+"""``python -m replay``'s refusals of bad usage, on a tiny fake package: nothing runs, nothing is created."""
+
+from __future__ import annotations
+
+import io
+import shlex
+import subprocess
+import sys
+import tarfile
+import tempfile
+from pathlib import Path
+
+import pytest
+from flyteidl.admin import launch_plan_pb2, task_pb2, workflow_pb2
+from flyteidl.core import identifier_pb2, interface_pb2, literals_pb2, tasks_pb2, types_pb2
+from flyteidl.core import workflow_pb2 as core_workflow_pb2
+from replay_helpers import ROOT  # noqa: I001  (a module beside this file; puts the checkout on sys.path)
+
+from replay import cli, literals
+
+BIN = Path(sys.executable).parent
+WORKFLOW = cli.DEFAULT_PLAN  # the fake workflow, and its launch plan, replayed without --launch-plan
+STRING, NONE = types_pb2.LiteralType(simple=types_pb2.STRING), types_pb2.LiteralType(simple=types_pb2.NONE)
+STRING.structure.tag, NONE.structure.tag = "str", "none"  # as flytekit tags a union's variants
+OPTIONAL_STR = types_pb2.LiteralType(union_type=types_pb2.UnionType(variants=[STRING, NONE]))
+
+
+def _parameter(literal_type: types_pb2.LiteralType, default: literals_pb2.Scalar) -> interface_pb2.Parameter:
+    return interface_pb2.Parameter(var=interface_pb2.Variable(type=literal_type),
+                                   default=literals_pb2.Literal(scalar=default))
+
+
+def _plan(name: str, fixed_threshold: bool) -> launch_plan_pb2.LaunchPlan:
+    """The workflow's launch plan, or (``fixed_threshold``) a scheduled one that fixes ``threshold``."""
+    none = literals_pb2.Scalar(none_type=literals_pb2.Void())
+    parameters = {
+        "threshold": _parameter(types_pb2.LiteralType(simple=types_pb2.FLOAT),
+                                literals_pb2.Scalar(primitive=literals_pb2.Primitive(float_value=0.95))),
+        "warm_start": _parameter(types_pb2.LiteralType(simple=types_pb2.BOOLEAN),
+                                 literals_pb2.Scalar(primitive=literals_pb2.Primitive(boolean=False))),
+        "champion": _parameter(OPTIONAL_STR, none),
+        "nproc_per_node": _parameter(types_pb2.LiteralType(simple=types_pb2.INTEGER),
+                                     literals_pb2.Scalar(primitive=literals_pb2.Primitive(integer=2)))}
+    plan = launch_plan_pb2.LaunchPlan(id=identifier_pb2.Identifier(name=name))
+    plan.spec.workflow_id.name = WORKFLOW
+    if fixed_threshold:
+        plan.spec.fixed_inputs.literals["threshold"].CopyFrom(parameters.pop("threshold").default)
+    for key, parameter in parameters.items():
+        plan.spec.default_inputs.parameters[key].CopyFrom(parameter)
+    return plan
+
+
+def _fake_package(path: Path) -> Path:
+    """A non-fast `pyflyte package` archive of one task and a workflow without nodes, with its default launch
+    plan and a ``scheduled`` one."""
+    task = tasks_pb2.TaskTemplate(id=identifier_pb2.Identifier(name="t"),
+                                  container=tasks_pb2.Container(args=["pyflyte-execute"]))
+    workflow = core_workflow_pb2.WorkflowTemplate(id=identifier_pb2.Identifier(name=WORKFLOW))
+    members = {"0_t_1.pb": task_pb2.TaskSpec(template=task), "1_wf_2.pb": workflow_pb2.WorkflowSpec(
+        template=workflow), "2_wf_3.pb": _plan(WORKFLOW, False), "3_scheduled_3.pb": _plan("scheduled", True)}
+    with tarfile.open(path, "w:gz") as tar:
+        for name, message in members.items():
+            data = message.SerializeToString()
+            info = tarfile.TarInfo(name)
+            info.size = len(data)
+            tar.addfile(info, io.BytesIO(data))
+    return path
+
+
+@pytest.fixture(scope="module")
+def package(tmp_path_factory) -> Path:
+    return _fake_package(tmp_path_factory.mktemp("fake") / "pkg.tgz")
+
+
+def _refused(capsys, *argv: str) -> str:
+    """The one error line ``python -m replay ARGV`` ends on, asserting it exits 2 while parsing."""
+    with pytest.raises(SystemExit) as exit_:
+        cli.main(list(argv))
+    assert exit_.value.code == 2
+    errors = [line for line in capsys.readouterr().err.splitlines() if "error:" in line]
+    assert len(errors) == 1, errors
+    return errors[0]
+
+
+def test_the_fake_package_replays_and_writes_its_summary(package, tmp_path):
+    """What every refusal below is measured against: the same arguments, fixed, run to the end."""
+    summary = tmp_path / "s.json"
+    assert cli.main([str(package), "--workdir", str(tmp_path / "w"), "--summary-json", str(summary)]) == 0
+    assert summary.is_file()
+
+
+@pytest.mark.parametrize("where", ["afile/s.json", "isdir"])
+def test_a_summary_json_that_cannot_be_written_is_refused_before_anything_runs(package, tmp_path, capsys,
+                                                                                where):
+    (tmp_path / "isdir").mkdir()
+    (tmp_path / "afile").write_text("")
+    error = _refused(capsys, str(package), "--workdir", str(tmp_path / "w"), "--summary-json",
+                     str(tmp_path / where))
+    assert "--summary-json" in error and "name a file" in error
+    assert not (tmp_path / "w").exists()
+
+
+def test_a_summary_json_in_a_directory_yet_to_be_made_is_written_there(package, tmp_path):
+    summary = tmp_path / "w" / "reports" / "s.json"  # inside the workdir the replay makes
+    assert cli.main([str(package), "--workdir", str(tmp_path / "w"), "--summary-json", str(summary)]) == 0
+    assert summary.is_file()
+
+
+def test_an_s3_store_without_a_bucket_is_refused_not_made_a_local_folder(package, tmp_path, capsys,
+                                                                          monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    error = _refused(capsys, str(package), "--workdir", str(tmp_path / "w"), "--store", "s3://")
+    assert "--store" in error and "names no bucket: write s3://BUCKET/PATH" in error
+    assert sorted(tmp_path.iterdir()) == []  # neither the workdir nor a folder "s3:"
+
+
+@pytest.mark.parametrize("kind, expected", [("missing", "does not exist: make it with `pyflyte"),
+                                            ("directory", "is a directory: give the archive file"),
+                                            ("not-tar", "is not a tar archive: give the .tgz")])
+def test_a_package_that_is_no_archive_is_refused_before_a_workdir_is_made(tmp_path, capsys, monkeypatch,
+                                                                           kind, expected):
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path / "tmp"))  # where the default workdir would go
+    (tmp_path / "tmp").mkdir()
+    (tmp_path / "directory").mkdir()
+    (tmp_path / "not-tar").write_text("not a tar file\n" * 100)
+    for workdir in (["--workdir", str(tmp_path / "w")], []):
+        error = _refused(capsys, str(tmp_path / kind), *workdir)
+        assert f"argument PKG: {tmp_path / kind} {expected}" in error
+    assert not (tmp_path / "w").exists() and list((tmp_path / "tmp").iterdir()) == []
+
+
+def test_a_truncated_archive_is_refused_naming_it(package, tmp_path, capsys):
+    big = tmp_path / "big.tgz"
+    with tarfile.open(big, "w:gz") as tar:
+        tar.add(package, "0_t_1.pb")
+        data = bytes(range(256)) * 4096  # 1 MiB that gzip barely shrinks
+        info = tarfile.TarInfo("1_blob_1.pb")
+        info.size = len(data)
+        tar.addfile(info, io.BytesIO(data))
+    truncated = tmp_path / "truncated.tgz"
+    truncated.write_bytes(big.read_bytes()[:2048])
+    assert cli.main([str(truncated), "--workdir", str(tmp_path / "w")]) == 2
+    assert f"{truncated} is not a readable tar archive" in capsys.readouterr().err
+
+
+def test_a_workdir_that_is_a_file_is_refused(package, tmp_path, capsys):
+    (tmp_path / "file").write_text("")
+    for workdir in ("file", "file/sub"):
+        error = _refused(capsys, str(package), "--workdir", str(tmp_path / workdir))
+        assert f"argument --workdir: {tmp_path / 'file'} is a file, not a directory" in error
+
+
+@pytest.mark.parametrize("flag, value", [("--node-timeout", "0"), ("--node-timeout", "-5"),
+                                         ("--node-timeout", "nan"), ("--node-timeout", "inf"),
+                                         ("--node-timeout", "ten"), ("--reschedule-after", "-1"),
+                                         ("--reschedule-after", "nan"), ("--reschedule-after", "inf")])
+def test_durations_must_be_finite_and_positive(package, capsys, flag, value):
+    error = _refused(capsys, str(package), f"{flag}={value}")
+    assert f"argument {flag}: {value!r} is not a number of seconds" in error
+
+
+def test_durations_that_are_finite_and_positive_are_taken(package):
+    args = cli.parse_args([str(package), "--node-timeout", "1e3", "--reschedule-after", "0"])
+    assert (args.node_timeout, args.reschedule_after) == (1000.0, 0.0)  # 0: a lost pod is made again at once
+
+
+def test_python_bin_must_be_a_directory_holding_flytekits_entry_points(package, tmp_path, capsys):
+    error = _refused(capsys, str(package), "--python-bin", sys.executable)
+    assert f"is not a directory: give the directory holding pyflyte-fast-execute and pyflyte-execute, e.g. " \
+           f"its directory {BIN}" in error
+    (tmp_path / "pyflyte-execute").write_text("#!/bin/sh\n")
+    (tmp_path / "pyflyte-execute").chmod(0o755)
+    error = _refused(capsys, str(package), "--python-bin", str(tmp_path))
+    assert f"argument --python-bin: {tmp_path} lacks pyflyte-fast-execute: give the bin directory" in error
+    assert cli.parse_args([str(package), "--python-bin", str(BIN)]).python_bin == BIN
+
+
+@pytest.mark.parametrize("given, expected", [
+    ("warm_start=yes", "--input warm_start='yes': a bool input takes true or false (any case), or 1 or 0"),
+    ("nproc_per_node=two", "--input nproc_per_node='two': invalid literal for int()"),
+    ("threshold=0.5", "input(s) ['threshold'] are fixed by the launch plan scheduled and cannot be "
+                      "overridden: replay its workflow's launch plan (--launch-plan "
+                      f"{WORKFLOW}) to set them"),
+    ("nope=1", "unknown input(s) ['nope']; the launch plan takes ['champion', 'nproc_per_node', ")])
+def test_input_errors_say_what_the_input_takes(package, tmp_path, capsys, given, expected):
+    argv = [str(package), "--workdir", str(tmp_path / "w"), "--launch-plan", "scheduled", "--input", given]
+    assert cli.main(argv) == 2
+    assert f"replay: error: {expected}" in capsys.readouterr().err
+
+
+def test_an_optional_input_takes_its_types_values_as_flytekit_reads_them():
+    from flytekit import FlyteContext
+    from flytekit.core.type_engine import TypeEngine
+    from flytekit.models.literals import Literal
+
+    inputs = literals.launch_inputs(_plan(WORKFLOW, False), {"champion": "/tmp/x", "warm_start": "TRUE"})
+    champion = inputs.literals["champion"]
+    assert literals.to_python(champion) == "/tmp/x" and literals.to_python(inputs.literals["warm_start"])
+    read = TypeEngine.to_python_value(FlyteContext.current_context(), Literal.from_flyte_idl(champion),
+                                      str | None)
+    assert read == "/tmp/x"
+    collection = types_pb2.LiteralType(collection_type=STRING)
+    with pytest.raises(literals.InputError, match="its type .collection_type. cannot be given on the"):
+        literals.input_literal("a", collection, "names")
+
+
+def test_the_last_of_a_repeated_input_wins_and_make_replay_puts_the_users_last():
+    assert cli._overrides(["nproc_per_node=2", "max_steps=5", "nproc_per_node=4"]) == {
+        "nproc_per_node": "4", "max_steps": "5"}
+    dry_run = subprocess.run(["make", "-n", "--no-print-directory", "replay", f"BIN={BIN}",
+                              "REPLAY_INPUTS=--input nproc_per_node=4 --input nnodes=3"],
+                             cwd=ROOT, capture_output=True, text=True, check=True).stdout
+    replays = [shlex.split(line) for line in dry_run.replace("\\\n", " ").splitlines() if "-m replay" in line]
+    assert len(replays) == 2
+    for words in replays:
+        given = [words[i + 1] for i, word in enumerate(words) if word == "--input"]
+        assert {"nproc_per_node": "4", "nnodes": "3"}.items() <= cli._overrides(given).items()
