@@ -7,6 +7,7 @@ import argparse
 import json
 import math
 import os
+import shutil
 import sys
 import tarfile
 import tempfile
@@ -38,7 +39,7 @@ examples:
 ENTRY_POINTS = ("pyflyte-fast-execute", "pyflyte-execute")  # what every task's container args start with
 
 
-def _package(text: str) -> Path:
+def package_archive(text: str) -> Path:
     """argparse's ``type`` for PKG: an existing tar archive, checked before the workdir is made."""
     path = Path(text)
     if path.is_dir():
@@ -53,17 +54,22 @@ def _package(text: str) -> Path:
     return path
 
 
-def _workdir(text: str) -> Path:
+def workdir_path(text: str) -> Path:
     """argparse's ``type`` for --workdir: a directory, or a path one can be made at."""
     path = Path(text)
     existing = next(p for p in (path, *path.parents) if p.exists())  # "." or "/" at worst
     if not existing.is_dir():
         raise argparse.ArgumentTypeError(f"{existing} is a file, not a directory: name a new or existing "
                                           "directory")
+    try:  # a real probe: access() says yes to root where the filesystem still refuses
+        tempfile.TemporaryDirectory(dir=existing).cleanup()
+    except OSError as exc:
+        raise argparse.ArgumentTypeError(f"{existing} cannot be written ({exc.strerror}): name a directory "
+                                          "you can write, or one to be made in such a directory") from exc
     return path
 
 
-def _summary_json(text: str) -> Path:
+def summary_path(text: str) -> Path:
     """argparse's ``type`` for --summary-json: a file that can be written once the replay ends (checked
     now, so a long replay does not end on a typo)."""
     path = Path(text)
@@ -86,7 +92,7 @@ def _number(text: str) -> float:
         return math.nan
 
 
-def _timeout(text: str) -> float:
+def positive_seconds(text: str) -> float:
     """argparse's ``type`` for --node-timeout: finite seconds > 0."""
     value = _number(text)
     if not (math.isfinite(value) and value > 0):
@@ -102,7 +108,7 @@ def _delay(text: str) -> float:
     return value
 
 
-def _python_bin(text: str) -> Path:
+def python_bin_dir(text: str) -> Path:
     """argparse's ``type`` for --python-bin: the pods' PATH must find flytekit's entry points there."""
     path = Path(text)
     if not path.is_dir():
@@ -120,31 +126,31 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     description = __doc__.split(":", 1)[1].strip().replace("\n", " ")
     parser = argparse.ArgumentParser(prog="python -m replay", description=description, epilog=EPILOG,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("package", type=_package, metavar="PKG",
+    parser.add_argument("package", type=package_archive, metavar="PKG",
                         help="a `pyflyte package` archive, fast-registered (--copy all) or not")
     parser.add_argument("--input", "-i", action="append", default=[], metavar="NAME=VALUE",
                         help="override a launch-plan input (int, float, str or bool inputs, or Optional of "
                         "one); repeatable, and the last value given for a NAME wins")
     parser.add_argument("--launch-plan", default=DEFAULT_PLAN,
                         help=f"launch plan to run (default: {DEFAULT_PLAN})")
-    parser.add_argument("--workdir", type=_workdir, help="where pods, logs and the store go (default: a new "
-                        "temporary directory)")
+    parser.add_argument("--workdir", type=workdir_path,
+                        help="where pods, logs and the store go (default: a new temporary directory)")
     parser.add_argument("--store", type=path_argument, help="object store root: a directory or "
                         "s3://bucket/prefix (default: WORKDIR/store); for s3 set FLYTE_AWS_ENDPOINT and the "
                         "FLYTE_AWS_* credentials")
     parser.add_argument("--project", default="flytesnacks", help="project to register into (%(default)s)")
     parser.add_argument("--domain", default="development", help="domain to register into (%(default)s)")
     parser.add_argument("--version", default="replay", help="version given to every registered entity")
-    parser.add_argument("--python-bin", type=_python_bin, default=Path(sys.executable).parent,
+    parser.add_argument("--python-bin", type=python_bin_dir, default=Path(sys.executable).parent,
                         help="directory put first on the pods' PATH, standing in for the image's; it must "
                         "hold pyflyte-fast-execute and pyflyte-execute (default: this interpreter's)")
-    parser.add_argument("--node-timeout", type=_timeout, default=1800,
+    parser.add_argument("--node-timeout", type=positive_seconds, default=1800,
                         help="seconds before a node's pods are killed (default 1800)")
     parser.add_argument("--reschedule-after", type=_delay, default=0.0, metavar="S",
                         help="seconds before a lost pod of an elastic job (SIGKILLed; its workers "
                         "restart on failure) is made again, as it waits to be scheduled (%(default)s)")
     parser.add_argument("--echo", action="store_true", help="stream every pod's output, prefixed by its name")
-    parser.add_argument("--summary-json", type=_summary_json,
+    parser.add_argument("--summary-json", type=summary_path,
                         help="write node wall times and outputs here as JSON")
     return parser.parse_args(argv)
 
@@ -163,11 +169,17 @@ def _overrides(pairs: list[str]) -> dict[str, str]:
 def replay_package(args: argparse.Namespace) -> dict:
     """Replay the launch plan; returns the summary (node timings and decoded outputs)."""
     workdir = (args.workdir or Path(tempfile.mkdtemp(prefix="replay-"))).resolve()
+    made = args.workdir is None or not workdir.exists()
     workdir.mkdir(parents=True, exist_ok=True)
-    package = read_package(args.package, workdir / "package")
-    plan = package.launch_plan(args.launch_plan)
-    workflow = package.workflows[plan.spec.workflow_id.name]
-    inputs = literals.launch_inputs(plan, _overrides(args.input))
+    try:  # the inputs are checked against the package's launch plan, which it must be unpacked to read
+        package = read_package(args.package, workdir / "package")
+        plan = package.launch_plan(args.launch_plan)
+        workflow = package.workflows[plan.spec.workflow_id.name]
+        inputs = literals.launch_inputs(plan, _overrides(args.input))
+    except (PackageError, literals.InputError):
+        if made:  # a refused replay leaves nothing behind
+            shutil.rmtree(workdir, ignore_errors=True)
+        raise
     for template in package.tasks.values():  # what `flytectl register files` does to every entity
         template.id.project, template.id.domain, template.id.version = args.project, args.domain, args.version
     store = Store(args.store or str(workdir / "store"))

@@ -24,11 +24,19 @@ from pathlib import Path
 from flyteidl.core import dynamic_job_pb2, literals_pb2
 
 from replay import literals
-from replay.cli import DEFAULT_PLAN
+from replay.cli import (
+    DEFAULT_PLAN,
+    package_archive,
+    positive_seconds,
+    python_bin_dir,
+    summary_path,
+    workdir_path,
+)
 from replay.graph import NodeFailed, Replay
-from replay.package import read_package
+from replay.package import PackageError, read_package
 from replay.pod import pinned_to, platform_env
 from replay.store import FUTURES, Execution, Store
+from traincore.files import path_argument
 
 
 def node_task(package, workflow, store: Store, execution: Execution, node_id: str):
@@ -58,7 +66,11 @@ def rerun_node(args: argparse.Namespace) -> dict:
     execution = Execution(args.project, args.domain, args.execution, workflow.id.name, args.version)
     code = store.join("fast", args.version, package.code_tarball.name) if package.fast else None
     template = node_task(package, workflow, store, execution, args.node)
-    inputs = literals_pb2.LiteralMap.FromString(store.read(store.node_paths(execution, args.node).inputs))
+    inputs_path = store.node_paths(execution, args.node).inputs
+    if not store.exists(inputs_path):
+        raise ValueError(f"{inputs_path} does not exist: --store, --execution and --node must name a node "
+                         "whose first attempt ran (the replay's summary lists its execution and nodes)")
+    inputs = literals_pb2.LiteralMap.FromString(store.read(inputs_path))
     replay = Replay(store, execution, workdir, args.python_bin.resolve(), code, args.node_timeout,
                     args.echo, attempt=args.attempt)
     outputs = replay.run_task(args.node, template, inputs)
@@ -67,22 +79,38 @@ def rerun_node(args: argparse.Namespace) -> dict:
             "outputs": {k: literals.to_python(v) for k, v in outputs.literals.items()}}
 
 
+def _attempt(text: str) -> int:
+    """argparse's ``type`` for --attempt: a retry is attempt 1 or later (attempt 0 is the replay's own)."""
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an attempt number >= 1: attempt 0 is the one the "
+                                          "replay ran; give e.g. 1")
+    return value
+
+
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    """The retry's flags, each checked as ``python -m replay`` checks its own before any pod starts."""
     parser = argparse.ArgumentParser(prog="python -m replay.retry", description=__doc__.split("\n\n")[1])
-    parser.add_argument("package", type=Path, help="the `pyflyte package` archive the execution replayed")
-    parser.add_argument("--store", required=True, help="the execution's object store root (as --store)")
+    parser.add_argument("package", type=package_archive, help="the `pyflyte package` archive the execution "
+                        "replayed")
+    parser.add_argument("--store", type=path_argument, required=True,
+                        help="the execution's object store root (as --store)")
     parser.add_argument("--execution", required=True, help="the execution's name (replay summary)")
     parser.add_argument("--node", required=True, help="node id, e.g. n2-0-dn0 for the dynamic train node")
-    parser.add_argument("--attempt", type=int, default=1, help="attempt number, 0-based (default 1)")
-    parser.add_argument("--workdir", type=Path, required=True, help="where the new pods' directories go")
+    parser.add_argument("--attempt", type=_attempt, default=1, help="attempt number, 0-based (default 1)")
+    parser.add_argument("--workdir", type=workdir_path, required=True,
+                        help="where the new pods' directories go")
     parser.add_argument("--launch-plan", default=DEFAULT_PLAN)
     parser.add_argument("--project", default="flytesnacks")
     parser.add_argument("--domain", default="development")
     parser.add_argument("--version", default="replay")
-    parser.add_argument("--python-bin", type=Path, default=Path(sys.executable).parent)
-    parser.add_argument("--node-timeout", type=float, default=1800)
+    parser.add_argument("--python-bin", type=python_bin_dir, default=Path(sys.executable).parent)
+    parser.add_argument("--node-timeout", type=positive_seconds, default=1800)
     parser.add_argument("--echo", action="store_true")
-    parser.add_argument("--summary-json", type=Path)
+    parser.add_argument("--summary-json", type=summary_path)
     parser.add_argument("--input", action="append", default=[], help=argparse.SUPPRESS)  # inputs are fixed
     return parser.parse_args(argv)
 
@@ -94,11 +122,15 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     try:
         summary = rerun_node(args)
+    except (PackageError, ValueError) as exc:
+        print(f"replay.retry: error: {exc}", file=sys.stderr)
+        return 2
     except NodeFailed as exc:
         print(f"replay.retry: FAILED: {exc}", file=sys.stderr)
         return 1
     print("replay.retry: outputs " + json.dumps(summary["outputs"], default=str)[:2000], flush=True)
     if args.summary_json:
+        args.summary_json.parent.mkdir(parents=True, exist_ok=True)
         args.summary_json.write_text(json.dumps(summary, indent=1, default=str))
     return 0
 

@@ -1,7 +1,9 @@
-"""``python -m replay``'s refusals of bad usage, on a tiny fake package: nothing runs, nothing is created."""
+"""`python -m replay` and `python -m replay.retry`: their refusals of bad usage, on a tiny fake package:
+nothing runs, nothing is created."""
 
 from __future__ import annotations
 
+import argparse
 import io
 import shlex
 import subprocess
@@ -16,7 +18,7 @@ from flyteidl.core import identifier_pb2, interface_pb2, literals_pb2, tasks_pb2
 from flyteidl.core import workflow_pb2 as core_workflow_pb2
 from replay_helpers import ROOT  # noqa: I001  (a module beside this file; puts the checkout on sys.path)
 
-from replay import cli, literals
+from replay import cli, literals, retry
 
 BIN = Path(sys.executable).parent
 WORKFLOW = cli.DEFAULT_PLAN  # the fake workflow, and its launch plan, replayed without --launch-plan
@@ -141,6 +143,7 @@ def test_a_truncated_archive_is_refused_naming_it(package, tmp_path, capsys):
     truncated.write_bytes(big.read_bytes()[:2048])
     assert cli.main([str(truncated), "--workdir", str(tmp_path / "w")]) == 2
     assert f"{truncated} is not a readable tar archive" in capsys.readouterr().err
+    assert not (tmp_path / "w").exists()  # found once unpacking began: the workdir made for it is gone
 
 
 def test_a_workdir_that_is_a_file_is_refused(package, tmp_path, capsys):
@@ -148,6 +151,13 @@ def test_a_workdir_that_is_a_file_is_refused(package, tmp_path, capsys):
     for workdir in ("file", "file/sub"):
         error = _refused(capsys, str(package), "--workdir", str(tmp_path / workdir))
         assert f"argument --workdir: {tmp_path / 'file'} is a file, not a directory" in error
+
+
+def test_a_workdir_where_no_directory_can_be_made_is_refused():
+    # sysfs refuses a new directory even to root, for whom access() says every directory is writable
+    with pytest.raises(argparse.ArgumentTypeError,
+                       match="^/sys cannot be written .Operation not permitted.: name a directory you"):
+        cli.workdir_path("/sys/replay-workdir")
 
 
 @pytest.mark.parametrize("flag, value", [("--node-timeout", "0"), ("--node-timeout", "-5"),
@@ -186,6 +196,7 @@ def test_input_errors_say_what_the_input_takes(package, tmp_path, capsys, given,
     argv = [str(package), "--workdir", str(tmp_path / "w"), "--launch-plan", "scheduled", "--input", given]
     assert cli.main(argv) == 2
     assert f"replay: error: {expected}" in capsys.readouterr().err
+    assert not (tmp_path / "w").exists()
 
 
 def test_an_optional_input_takes_its_types_values_as_flytekit_reads_them():
@@ -215,3 +226,35 @@ def test_the_last_of_a_repeated_input_wins_and_make_replay_puts_the_users_last()
     for words in replays:
         given = [words[i + 1] for i, word in enumerate(words) if word == "--input"]
         assert {"nproc_per_node": "4", "nnodes": "3"}.items() <= cli._overrides(given).items()
+
+
+def _retry_refused(capsys, *argv: str) -> str:
+    """The one error line ``python -m replay.retry ARGV`` ends on, asserting it exits 2 while parsing."""
+    with pytest.raises(SystemExit) as exit_:
+        retry.main(list(argv))
+    assert exit_.value.code == 2
+    errors = [line for line in capsys.readouterr().err.splitlines() if "error:" in line]
+    assert len(errors) == 1, errors
+    return errors[0]
+
+
+def test_a_retry_checks_its_flags_as_the_replay_does(package, tmp_path, capsys):
+    required = ["--store", str(tmp_path / "store"), "--execution", "e", "--node", "n0"]
+    workdir = ["--workdir", str(tmp_path / "w")]
+    error = _retry_refused(capsys, str(tmp_path), *required, *workdir)
+    assert f"argument package: {tmp_path} is a directory: give the archive file" in error
+    for attempt in ("0", "-1", "one"):
+        error = _retry_refused(capsys, str(package), *required, *workdir, "--attempt", attempt)
+        assert f"argument --attempt: {attempt!r} is not an attempt number >= 1" in error
+    error = _retry_refused(capsys, str(package), *required, *workdir, "--node-timeout", "nan")
+    assert "argument --node-timeout: 'nan' is not a number of seconds > 0" in error
+    error = _retry_refused(capsys, str(package), *required, "--workdir", str(package / "w"))
+    assert f"argument --workdir: {package} is a file, not a directory" in error
+    assert not (tmp_path / "w").exists()
+
+
+def test_a_retry_of_a_node_the_workflow_lacks_names_it(package, tmp_path, capsys):
+    argv = [str(package), "--store", str(tmp_path / "store"), "--execution", "e", "--node", "n9",
+            "--workdir", str(tmp_path / "w")]
+    assert retry.main(argv) == 2
+    assert f"replay.retry: error: no node 'n9' in workflow {WORKFLOW}" in capsys.readouterr().err

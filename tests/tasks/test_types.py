@@ -1,16 +1,17 @@
-"""The Flyte type of traincore's Config (flytekit's own, built once, and only for Config), and how the
-workflow's outputs print."""
+"""The Flyte types of the records our tasks pass (flytekit's own, each built once, and only for them), and
+how the workflow's outputs print."""
 
 from __future__ import annotations
 
 import collections
-from dataclasses import replace
+from dataclasses import dataclass, replace
 
+import pytest
 from flytekit.core.context_manager import FlyteContextManager
 from flytekit.core.type_engine import DataclassTransformer, TypeEngine
 from flytekit.types.directory import FlyteDirectory
 
-from tasks.types import ConfigTransformer, EvalReport, ModelArtifact, StagedDataset, Topology
+from tasks.types import RECORDS, EvalReport, ModelArtifact, RecordTransformer, StagedDataset
 from traincore.artifacts.evaluate import EvalResult
 from traincore.artifacts.export import ExportResult
 from traincore.artifacts.lineage import Lineage
@@ -19,23 +20,45 @@ from traincore.config.schema import Config
 from workflows.pipeline import training_pipeline
 
 
-def test_config_keeps_flytekit_dataclass_type_and_round_trips():
-    transformer = TypeEngine.get_transformer(Config)
-    assert isinstance(transformer, ConfigTransformer)
-    literal_type = TypeEngine.to_literal_type(Config)
-    assert literal_type == DataclassTransformer().get_literal_type(Config)
-    assert TypeEngine.to_literal_type(Config) is literal_type  # built once
+@pytest.mark.parametrize("record", RECORDS, ids=lambda record: record.__name__)
+def test_each_record_keeps_flytekits_literal_type_built_once(record):
+    assert isinstance(TypeEngine.get_transformer(record), RecordTransformer)
+    literal_type = TypeEngine.to_literal_type(record)
+    assert literal_type == DataclassTransformer().get_literal_type(record)
+    # flytekit's union transformer sets the structure of the type it gets: the next caller's is intact
+    TypeEngine.to_literal_type(record | None)
+    assert TypeEngine.to_literal_type(record) == literal_type
+
+
+def test_a_records_schema_is_built_once(monkeypatch):
+    builds = []
+    build = DataclassTransformer.get_literal_type
+    monkeypatch.setattr(DataclassTransformer, "get_literal_type",
+                        lambda self, t=None: builds.append(t) or build(self, t))
+    transformer = RecordTransformer((EvalReport,))
+    assert transformer.get_literal_type(EvalReport) == transformer.get_literal_type(EvalReport)
+    assert builds.count(EvalReport) == 1  # (its nested records are the registered transformer's)
+
+
+@pytest.mark.parametrize("kind", [Config, EvalReport], ids=lambda kind: kind.__name__)
+def test_records_convert_as_flytekits_own_transformer_converts_them(kind):
+    value = (preset("digits").with_overrides({"train": {"max_steps": 7}}) if kind is Config
+             else pipeline_outputs("/m").report)  # a record of records, a nested dict and lists among them
     ctx = FlyteContextManager.current_context()
-    config = preset("digits").with_overrides({"train": {"max_steps": 7}})
-    literal = TypeEngine.to_literal(ctx, config, Config, literal_type)
-    assert literal == DataclassTransformer().to_literal(ctx, config, Config, literal_type)
-    assert TypeEngine.to_python_value(ctx, literal, Config) == config
+    literal_type = TypeEngine.to_literal_type(kind)
+    literal = TypeEngine.to_literal(ctx, value, kind, literal_type)
+    assert literal == DataclassTransformer().to_literal(ctx, value, kind, literal_type)
+    assert TypeEngine.to_python_value(ctx, literal, kind) == value
 
 
 def test_other_dataclasses_keep_the_default_transformer():
-    assert not isinstance(TypeEngine.get_transformer(Topology), ConfigTransformer)
-    assert TypeEngine.to_literal_type(Topology) == DataclassTransformer().get_literal_type(Topology)
+    @dataclass
+    class TeamRecord:  # a team's own dataclass, next to ours in a workflow
+        name: str
+        scores: list[float]
 
+    assert not isinstance(TypeEngine.get_transformer(TeamRecord), RecordTransformer)
+    assert TypeEngine.to_literal_type(TeamRecord) == DataclassTransformer().get_literal_type(TeamRecord)
 
 
 SHA = "41a04528d1f71723d364b6daa05f5fe3590f35ff76ae243f41a0096c30791ee1"

@@ -273,10 +273,10 @@ def _summary(registry: Registry, version: str) -> str:
 def _listing(registry: Registry) -> str:
     """The versions, oldest first, ``*`` marking latest; a ``latest`` that names no complete version is
     shown with the rollback that repairs it."""
-    versions, latest = registry.versions(), registry.pointer()
     if registry.local and not Path(registry.root).exists():
         return (f"{registry.uri} does not exist: no promotion has published there yet (or the path is "
                 "mistyped)")
+    versions, latest = registry.versions(), registry.pointer()
     if not versions:
         return f"{registry.uri} holds no published version yet: a promotion publishes the first one"
     lines = [f"{'*' if version == latest else ' '} {_summary(registry, version)}" for version in versions]

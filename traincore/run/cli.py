@@ -29,8 +29,17 @@ from torch.distributed.elastic.multiprocessing.api import SignalException
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 
 from traincore.checkpoint import CheckpointError, as_store, complete_steps
-from traincore.config import PARALLELISMS, PRESETS, Config, ConfigError, build_config, parse_source, preset
-from traincore.data import Manifest, StagingError, dataset_manifest
+from traincore.config import (
+    PARALLELISMS,
+    PRESETS,
+    Config,
+    ConfigError,
+    DataConfig,
+    build_config,
+    parse_source,
+    preset,
+)
+from traincore.data import Manifest, StagingError, dataset_manifest, staging_key
 from traincore.exitcodes import PREEMPTED_EXIT_CODE
 from traincore.files import local_path_argument, path_argument
 from traincore.run.launch import (
@@ -115,9 +124,9 @@ def config_from_args(args: argparse.Namespace) -> Config:
                         {key: value for key, value in settings.items() if value is not None}, _FLAGS)
 
 
-STAGED_FIELDS = ("source", "image_size", "channels", "seed", "val_fraction", "test_fraction",
-                 "synthetic_samples", "synthetic_classes")
-"""The data fields that decide what staging writes: training reads the staged data as it is."""
+STAGED_FIELDS = tuple(name for name in staging_key(DataConfig()) if name not in ("mean", "std"))
+"""The data fields that decide what staging writes, which training reads as it is (data.mean and data.std
+also normalise training's batches, so training may set them)."""
 
 
 def check_staged_settings(cfg: Config, args: argparse.Namespace) -> None:

@@ -114,6 +114,7 @@ def test_resume_on_a_different_world_size(data_dir, saved, forked_train, tmp_pat
     (["--config", '{"data": {"image_size": 64}}'], "--config sets data.image_size=64 (12 staged), but "),
     (["--config", '{"data.synthetic_samples": 100, "data.seed": 3}'],
      "--config sets data.seed=3 (0 staged), data.synthetic_samples=100 (480 staged), but training reads"),
+    (["--config", '{"data.samples_per_shard": 64}'], "--config sets data.samples_per_shard=64 (100 staged)"),
 ])
 def test_bad_config_is_rejected_before_any_process_group(data_dir, tmp_path, flags, message, monkeypatch,
                                                          capsys, listening_port):
