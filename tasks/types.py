@@ -255,7 +255,7 @@ class RecordTransformer(DataclassTransformer):
     flytekit 1.16 derives a dataclass's JSON schema afresh on every ``get_literal_type`` call, which every
     task definition, node and output asks for: 0.02 to 0.9 s a record (Config's 56 fields the most). With
     torch and flytekit loaded, importing the three workflow modules took 3.4-4.4 CPU s, and takes 1.4-1.5
-    with each record's built once (2-core machine); every ``pyflyte run`` pays it, and every pod for the
+    with each record's type built once (2-core machine); every ``pyflyte run`` pays it, and every pod for the
     tasks it defines. The literal types, values and conversions are exactly flytekit's: only the repeated
     schema builds go.
     """
@@ -279,7 +279,6 @@ RECORDS = (Config, DataConfig, SlurmSettings, NodeResources, Topology, StagedDat
            RungResult, SearchOutcome, ModelArtifact, EvalReport, Promotion, TrainSummary, ExportResult,
            EvalResult, Lineage)
 """The dataclasses our tasks take and return, and the traincore records they hold."""
-
 
 
 def _register(records: tuple[type, ...]) -> None:
