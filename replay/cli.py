@@ -4,6 +4,7 @@ node, the way a Flyte cluster runs it."""
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import math
 import os
@@ -13,6 +14,7 @@ import tarfile
 import tempfile
 import time
 import uuid
+from collections.abc import Iterator
 from pathlib import Path
 
 from replay import literals
@@ -166,20 +168,33 @@ def _overrides(pairs: list[str]) -> dict[str, str]:
     return out
 
 
+REFUSALS = (PackageError, literals.InputError)
+"""What the replay reports as one ``error:`` line, exit 2: the package or an input is not usable."""
+
+
+@contextlib.contextmanager
+def refusable_workdir(given: Path | None, refusals: tuple[type[Exception], ...] = REFUSALS) -> Iterator[Path]:
+    """``given`` (or a new temporary directory), made for the checks that need the package unpacked; one
+    that the block made is removed again when the block ends in one of ``refusals``, so that a refused
+    replay leaves nothing behind."""
+    workdir = (given or Path(tempfile.mkdtemp(prefix="replay-"))).resolve()
+    made = given is None or not workdir.exists()
+    workdir.mkdir(parents=True, exist_ok=True)
+    try:
+        yield workdir
+    except refusals:
+        if made:
+            shutil.rmtree(workdir, ignore_errors=True)
+        raise
+
+
 def replay_package(args: argparse.Namespace) -> dict:
     """Replay the launch plan; returns the summary (node timings and decoded outputs)."""
-    workdir = (args.workdir or Path(tempfile.mkdtemp(prefix="replay-"))).resolve()
-    made = args.workdir is None or not workdir.exists()
-    workdir.mkdir(parents=True, exist_ok=True)
-    try:  # the inputs are checked against the package's launch plan, which it must be unpacked to read
+    with refusable_workdir(args.workdir) as workdir:  # the inputs are checked against the launch plan
         package = read_package(args.package, workdir / "package")
         plan = package.launch_plan(args.launch_plan)
         workflow = package.workflows[plan.spec.workflow_id.name]
         inputs = literals.launch_inputs(plan, _overrides(args.input))
-    except (PackageError, literals.InputError):
-        if made:  # a refused replay leaves nothing behind
-            shutil.rmtree(workdir, ignore_errors=True)
-        raise
     for template in package.tasks.values():  # what `flytectl register files` does to every entity
         template.id.project, template.id.domain, template.id.version = args.project, args.domain, args.version
     store = Store(args.store or str(workdir / "store"))
@@ -223,7 +238,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     try:
         summary = replay_package(args)
-    except (PackageError, literals.InputError, FileNotFoundError) as exc:
+    except (*REFUSALS, FileNotFoundError) as exc:
         print(f"replay: error: {exc}", file=sys.stderr)
         return 2
     except NotImplementedError as exc:

@@ -26,17 +26,27 @@ from flyteidl.core import dynamic_job_pb2, literals_pb2
 from replay import literals
 from replay.cli import (
     DEFAULT_PLAN,
+    REFUSALS,
     package_archive,
     positive_seconds,
     python_bin_dir,
+    refusable_workdir,
     summary_path,
     workdir_path,
 )
 from replay.graph import NodeFailed, Replay
-from replay.package import PackageError, read_package
+from replay.package import read_package
 from replay.pod import pinned_to, platform_env
 from replay.store import FUTURES, Execution, Store
 from traincore.files import path_argument
+
+
+class NodeNotFound(Exception):
+    """The node to retry is not in the workflow, or its first attempt left no inputs in the store."""
+
+
+RETRY_REFUSALS = (*REFUSALS, NodeNotFound)
+"""What the retry reports as one ``error:`` line, exit 2."""
 
 
 def node_task(package, workflow, store: Store, execution: Execution, node_id: str):
@@ -45,31 +55,32 @@ def node_task(package, workflow, store: Store, execution: Execution, node_id: st
     if not sep:
         (node,) = [n for n in workflow.nodes if n.id == node_id] or [None]
         if node is None:
-            raise ValueError(f"no node {node_id!r} in workflow {workflow.id.name}")
+            raise NodeNotFound(f"no node {node_id!r} in workflow {workflow.id.name}")
         return package.tasks[node.task_node.reference_id.name]
     futures = f"{store.node_paths(execution, parent).output_prefix}/{FUTURES}"
     spec = dynamic_job_pb2.DynamicJobSpec.FromString(store.read(futures))
     nodes = {n.id: n for n in spec.nodes}
     if inner not in nodes:
-        raise ValueError(f"no node {inner!r} in the dynamic spec of {parent!r}: {sorted(nodes)}")
+        raise NodeNotFound(f"no node {inner!r} in the dynamic spec of {parent!r}: {sorted(nodes)}")
     return {t.id.name: t for t in spec.tasks}[nodes[inner].task_node.reference_id.name]
 
 
 def rerun_node(args: argparse.Namespace) -> dict:
     """Run attempt ``args.attempt`` of ``args.node`` with the inputs its first attempt received."""
-    workdir = args.workdir.resolve()
-    package = read_package(args.package, workdir / "package-retry")
-    workflow = package.workflows[package.launch_plan(args.launch_plan).spec.workflow_id.name]
-    for template in package.tasks.values():  # as registered (see replay.cli)
-        template.id.project, template.id.domain, template.id.version = args.project, args.domain, args.version
     store = Store(args.store)
-    execution = Execution(args.project, args.domain, args.execution, workflow.id.name, args.version)
+    with refusable_workdir(args.workdir, RETRY_REFUSALS) as workdir:
+        package = read_package(args.package, workdir / "package-retry")
+        workflow = package.workflows[package.launch_plan(args.launch_plan).spec.workflow_id.name]
+        for task in package.tasks.values():  # as registered (see replay.cli)
+            task.id.project, task.id.domain, task.id.version = args.project, args.domain, args.version
+        execution = Execution(args.project, args.domain, args.execution, workflow.id.name, args.version)
+        template = node_task(package, workflow, store, execution, args.node)
+        inputs_path = store.node_paths(execution, args.node).inputs
+        if not store.exists(inputs_path):
+            raise NodeNotFound(f"{inputs_path} does not exist: --store, --execution and --node must name a "
+                             "node whose first attempt ran (the replay's summary lists its execution and "
+                             "nodes)")
     code = store.join("fast", args.version, package.code_tarball.name) if package.fast else None
-    template = node_task(package, workflow, store, execution, args.node)
-    inputs_path = store.node_paths(execution, args.node).inputs
-    if not store.exists(inputs_path):
-        raise ValueError(f"{inputs_path} does not exist: --store, --execution and --node must name a node "
-                         "whose first attempt ran (the replay's summary lists its execution and nodes)")
     inputs = literals_pb2.LiteralMap.FromString(store.read(inputs_path))
     replay = Replay(store, execution, workdir, args.python_bin.resolve(), code, args.node_timeout,
                     args.echo, attempt=args.attempt)
@@ -122,7 +133,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     try:
         summary = rerun_node(args)
-    except (PackageError, ValueError) as exc:
+    except RETRY_REFUSALS as exc:
         print(f"replay.retry: error: {exc}", file=sys.stderr)
         return 2
     except NodeFailed as exc:

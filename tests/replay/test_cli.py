@@ -258,3 +258,4 @@ def test_a_retry_of_a_node_the_workflow_lacks_names_it(package, tmp_path, capsys
             "--workdir", str(tmp_path / "w")]
     assert retry.main(argv) == 2
     assert f"replay.retry: error: no node 'n9' in workflow {WORKFLOW}" in capsys.readouterr().err
+    assert not (tmp_path / "w").exists()  # made to unpack the package, and removed with the refusal
