@@ -234,6 +234,12 @@ def report(summary: dict) -> None:
     print("replay: outputs " + json.dumps(summary["outputs"], default=str)[:2000], flush=True)
 
 
+def write_summary(path: Path, summary: dict) -> None:
+    """``summary`` as JSON at ``path`` (--summary-json), its directory made if the replay has not."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(summary, indent=1, default=str))
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     try:
@@ -249,6 +255,5 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     report(summary)
     if args.summary_json:
-        args.summary_json.parent.mkdir(parents=True, exist_ok=True)
-        args.summary_json.write_text(json.dumps(summary, indent=1, default=str))
+        write_summary(args.summary_json, summary)
     return 0

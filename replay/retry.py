@@ -33,6 +33,7 @@ from replay.cli import (
     refusable_workdir,
     summary_path,
     workdir_path,
+    write_summary,
 )
 from replay.graph import NodeFailed, Replay
 from replay.package import read_package
@@ -141,8 +142,7 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     print("replay.retry: outputs " + json.dumps(summary["outputs"], default=str)[:2000], flush=True)
     if args.summary_json:
-        args.summary_json.parent.mkdir(parents=True, exist_ok=True)
-        args.summary_json.write_text(json.dumps(summary, indent=1, default=str))
+        write_summary(args.summary_json, summary)
     return 0
 
 

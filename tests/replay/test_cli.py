@@ -74,10 +74,11 @@ def package(tmp_path_factory) -> Path:
     return _fake_package(tmp_path_factory.mktemp("fake") / "pkg.tgz")
 
 
-def _refused(capsys, *argv: str) -> str:
-    """The one error line ``python -m replay ARGV`` ends on, asserting it exits 2 while parsing."""
+def _refused(capsys, *argv: str, main=cli.main) -> str:
+    """The one error line ``python -m replay ARGV`` (or the ``main`` given, e.g. replay.retry's) ends on,
+    asserting it exits 2 while parsing."""
     with pytest.raises(SystemExit) as exit_:
-        cli.main(list(argv))
+        main(list(argv))
     assert exit_.value.code == 2
     errors = [line for line in capsys.readouterr().err.splitlines() if "error:" in line]
     assert len(errors) == 1, errors
@@ -228,27 +229,17 @@ def test_the_last_of_a_repeated_input_wins_and_make_replay_puts_the_users_last()
         assert {"nproc_per_node": "4", "nnodes": "3"}.items() <= cli._overrides(given).items()
 
 
-def _retry_refused(capsys, *argv: str) -> str:
-    """The one error line ``python -m replay.retry ARGV`` ends on, asserting it exits 2 while parsing."""
-    with pytest.raises(SystemExit) as exit_:
-        retry.main(list(argv))
-    assert exit_.value.code == 2
-    errors = [line for line in capsys.readouterr().err.splitlines() if "error:" in line]
-    assert len(errors) == 1, errors
-    return errors[0]
-
-
 def test_a_retry_checks_its_flags_as_the_replay_does(package, tmp_path, capsys):
     required = ["--store", str(tmp_path / "store"), "--execution", "e", "--node", "n0"]
     workdir = ["--workdir", str(tmp_path / "w")]
-    error = _retry_refused(capsys, str(tmp_path), *required, *workdir)
+    error = _refused(capsys, str(tmp_path), *required, *workdir, main=retry.main)
     assert f"argument package: {tmp_path} is a directory: give the archive file" in error
     for attempt in ("0", "-1", "one"):
-        error = _retry_refused(capsys, str(package), *required, *workdir, "--attempt", attempt)
+        error = _refused(capsys, str(package), *required, *workdir, "--attempt", attempt, main=retry.main)
         assert f"argument --attempt: {attempt!r} is not an attempt number >= 1" in error
-    error = _retry_refused(capsys, str(package), *required, *workdir, "--node-timeout", "nan")
+    error = _refused(capsys, str(package), *required, *workdir, "--node-timeout", "nan", main=retry.main)
     assert "argument --node-timeout: 'nan' is not a number of seconds > 0" in error
-    error = _retry_refused(capsys, str(package), *required, "--workdir", str(package / "w"))
+    error = _refused(capsys, str(package), *required, "--workdir", str(package / "w"), main=retry.main)
     assert f"argument --workdir: {package} is a file, not a directory" in error
     assert not (tmp_path / "w").exists()
 
