@@ -59,7 +59,9 @@ class RegistryError(ValueError):
 
 def version_name(model_sha256: str) -> str:
     """``20261123-170102-ab12cd34``: names sort by publication time; the suffix tells the weights apart."""
-    return f"{time.strftime('%Y%m%d-%H%M%S', time.gmtime())}-{model_sha256[:8]}"
+    # time.time(), not gmtime()'s own clock: that one is glibc's coarse clock, which still read the last
+    # second for a few milliseconds after time.time() had passed into the next.
+    return f"{time.strftime('%Y%m%d-%H%M%S', time.gmtime(time.time()))}-{model_sha256[:8]}"
 
 
 class Registry:
@@ -128,7 +130,7 @@ class Registry:
         traincore.model.build.check_trusted)."""
         model_dir = Path(model_dir)
         check_model_dir(model_dir, lineage, trust_model)
-        version = version_name(lineage.model_sha256)
+        version = self._new_version(lineage.model_sha256)
         if self.fs.exists(self._path(version)):
             raise RegistryError(f"version {version} already exists in {self.uri}: versions are immutable; "
                                 "publish again in a second")
@@ -139,6 +141,17 @@ class Registry:
                 self.fs.put_file(str(model_dir / name), self._path(version, name))
             self.fs.pipe_file(self._path(version, LINEAGE_FILE), lineage.to_json().encode())
         self.set_latest(version)
+        return version
+
+    def _new_version(self, model_sha256: str) -> str:
+        """:func:`version_name` for a version published now, taken in the next second where the newest
+        version already has this second's: within one second, names would sort by their weights' sha256,
+        not by publication (a registry of two versions published 0.3 s apart listed the second one first)."""
+        version = version_name(model_sha256)
+        newest = self.versions()[-1:]
+        if newest and newest[0][:15] >= version[:15]:  # 15: "<UTC date>-<UTC time>"
+            time.sleep(1.0 - time.time() % 1.0)
+            version = version_name(model_sha256)
         return version
 
     def _publish_local(self, model_dir: Path, lineage: Lineage, version: str) -> None:

@@ -82,10 +82,18 @@ def test_publish_makes_an_immutable_version_and_points_latest_at_it(models, tmp_
                                                        (tmp_path / "registry").iterdir())
 
 
+def test_versions_published_within_a_second_list_in_publication_order(models, tmp_path):
+    """The second version's weights sort before the first's: named by the second alone, it listed first."""
+    registry = Registry(str(tmp_path))
+    by_sha = sorted(models, key=lambda model: lineage_of(model).model_sha256, reverse=True)
+    versions = [registry.publish(model, lineage_of(model)) for model in by_sha]
+    assert registry.versions() == versions and registry.latest() == versions[-1]
+
+
 def test_rollback_points_latest_at_an_earlier_version(models, tmp_path, capsys):
     registry = Registry(str(tmp_path))
     versions = [registry.publish(model, lineage_of(model)) for model in models[:2]]
-    assert registry.versions() == sorted(versions) and registry.latest() == versions[1]
+    assert registry.versions() == versions and registry.latest() == versions[1]
     assert main(["rollback", str(tmp_path), versions[0]]) == 0
     assert capsys.readouterr().out.strip() == f"{tmp_path}: latest -> {versions[0]} (was {versions[1]})"
     assert Registry(str(tmp_path)).latest() == versions[0]
@@ -93,10 +101,7 @@ def test_rollback_points_latest_at_an_earlier_version(models, tmp_path, capsys):
     assert main(["list", str(tmp_path)]) == 0
     listing = capsys.readouterr().out.splitlines()
     assert listing[0] == f"{tmp_path}: 2 version(s), latest {versions[0]} (*)"
-    # Listed by name; two versions published in the same second order by their random suffixes.
-    lines = sorted(listing[1:], key=lambda line: line[2:])
-    assert [line[2:].split()[0] for line in lines] == sorted(versions)
-    first, second = (next(line for line in lines if line[2:].startswith(version)) for version in versions)
+    first, second = listing[1:]  # oldest first
     assert first.startswith(f"* {versions[0]}  test accuracy 0.7000 (10 samples)  step 2  source synthetic")
     assert second.startswith(f"  {versions[1]}  test accuracy 0.8000")
     assert main(["show", str(tmp_path), versions[1]]) == 0
