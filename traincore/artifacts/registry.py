@@ -44,8 +44,10 @@ from traincore.artifacts.export import (
     trust_from_args,
 )
 from traincore.artifacts.lineage import LINEAGE_FILE, Lineage, LineageError
+from traincore.checkpoint import STORE_ACCESS_FIX, error_reason, is_uri
 from traincore.files import fsync_path, local_path_argument, path_argument, publish, publish_directory
 from traincore.model import ModelImportError
+from traincore.telemetry import logging_setup
 
 LATEST = "latest"
 MODEL_FILES = (WEIGHTS_FILE, config_path_for(WEIGHTS_FILE).name)  # lineage.json follows them, last
@@ -322,6 +324,21 @@ def run_command(args: argparse.Namespace) -> str:
     return f"{registry.uri}: published {registry.publish(model_dir, lineage, trust_from_args(args))} (latest)"
 
 
+def _run_on_store(args: argparse.Namespace) -> str:
+    """:func:`run_command`, with an object store's own errors as a RegistryError that names the registry
+    and the fix: botocore, gcsfs and adlfs raise classes of their own, not OSError, for missing credentials
+    and unreachable endpoints (`list s3://...` without credentials ended in an 80-line traceback)."""
+    try:
+        return run_command(args)
+    except RegistryError:
+        raise
+    except Exception as exc:
+        if not is_uri(args.uri):
+            raise
+        raise RegistryError(f"the registry {args.uri} cannot be read or written ({error_reason(exc)}): "
+                            f"{STORE_ACCESS_FIX}") from exc
+
+
 def main(argv: list[str] | None = None) -> int:
     """CLI: list, show, rollback, publish; exit code 2 with the reason on stderr when it cannot."""
     parser = argparse.ArgumentParser(prog="python -m traincore.registry", description=__doc__.splitlines()[0])
@@ -340,7 +357,8 @@ def main(argv: list[str] | None = None) -> int:
     add_trust_flags(publish)
     args = parser.parse_args(argv)
     try:
-        print(run_command(args))
+        with logging_setup("WARNING", rank=None, library_tracebacks=False):
+            print(_run_on_store(args))
     except (RegistryError, OSError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2

@@ -45,12 +45,29 @@ class _CurrentStderrHandler(logging.StreamHandler):
         pass  # always follow sys.stderr
 
 
+class _BriefLibraryFormatter(logging.Formatter):
+    """Other libraries' records with their exception's class instead of its traceback: gcsfs logs a 40-line
+    aiohttp traceback for each request it gives up on, before the command's own error names the cause
+    (`registry list gs://...` without a network printed 50 lines before its one). Our own records keep
+    theirs."""
+
+    def format(self, record: logging.LogRecord) -> str:
+        if record.exc_info and record.exc_info[1] is not None and not record.name.startswith("traincore"):
+            message = f"{record.getMessage()} [{type(record.exc_info[1]).__name__}; traceback not shown]"
+            record = logging.makeLogRecord({**record.__dict__, "msg": message, "args": None,
+                                            "exc_info": None, "exc_text": None})
+        return super().format(record)
+
+
 @contextlib.contextmanager
-def logging_setup(level: str = "INFO", rank: int = 0) -> Iterator[None]:
+def logging_setup(level: str = "INFO", rank: int | None = 0,
+                  library_tracebacks: bool = True) -> Iterator[None]:
     """Our handler on the root logger, and its level, for the run; both restored on exit, so a process
     that trains in-process (a notebook, a Flyte task) keeps its own logging configuration afterwards.
 
-    Ranks > 0 log WARNING and above only, so N ranks do not print every line N times.
+    Ranks > 0 log WARNING and above only, so N ranks do not print every line N times; ``rank`` None (a
+    command that is no rank of a run) leaves the rank out of each line. Without ``library_tracebacks``,
+    other libraries' records show their exception's class, not its traceback.
     """
     if str(level).upper() not in LOG_LEVELS:
         raise ValueError(f"log level {level!r} is unknown; use one of {', '.join(LOG_LEVELS)}")
@@ -60,10 +77,12 @@ def logging_setup(level: str = "INFO", rank: int = 0) -> Iterator[None]:
         root.removeHandler(handler)
     handler = _CurrentStderrHandler()
     handler.set_name(_HANDLER_NAME)
-    handler.setFormatter(logging.Formatter(f"%(asctime)s %(levelname)s [rank {rank}] %(name)s: %(message)s"))
+    tag = "" if rank is None else f" [rank {rank}]"
+    formatter = logging.Formatter if library_tracebacks else _BriefLibraryFormatter
+    handler.setFormatter(formatter(f"%(asctime)s %(levelname)s{tag} %(name)s: %(message)s"))
     root.addHandler(handler)
     numeric = logging.getLevelName(str(level).upper())
-    root.setLevel(numeric if rank == 0 else max(numeric, logging.WARNING))
+    root.setLevel(numeric if not rank else max(numeric, logging.WARNING))
     try:
         yield
     finally:

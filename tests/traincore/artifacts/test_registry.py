@@ -133,6 +133,22 @@ def test_cli_errors_name_the_problem(models, tmp_path, capsys):
         Registry(str(tmp_path)).latest()
 
 
+def test_a_store_without_credentials_is_one_error_line(tmp_path, monkeypatch, capsys):
+    """botocore's NoCredentialsError, not an OSError, ended `list s3://...` in a traceback."""
+    for name in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN", "AWS_PROFILE"):
+        monkeypatch.delenv(name, raising=False)
+    for name in ("AWS_SHARED_CREDENTIALS_FILE", "AWS_CONFIG_FILE"):
+        monkeypatch.setenv(name, str(tmp_path / "no-such-file"))
+    monkeypatch.setenv("AWS_EC2_METADATA_DISABLED", "true")
+    monkeypatch.setenv("AWS_ENDPOINT_URL", "http://127.0.0.1:9")  # never reached: no credentials to sign with
+    uri = f"s3://registry-{uuid.uuid4().hex[:8]}/models"
+    for command in (["list", uri], ["show", uri, "20260101-000000-abcdef12"]):
+        assert main(command) == 2
+        err = capsys.readouterr().err
+        assert err.startswith(f"error: the registry {uri} cannot be read or written (NoCredentialsError"), err
+        assert "AWS_ENDPOINT_URL" in err and "Traceback" not in err and err.count("\n") == 1, err
+
+
 def test_a_latest_that_names_no_version_is_listed_and_repaired_by_a_rollback(models, tmp_path, capsys):
     registry = Registry(str(tmp_path))
     version = registry.publish(models[0], lineage_of(models[0]))

@@ -71,6 +71,30 @@ def test_logging_setup_nests_is_quiet_on_other_ranks_and_restores_the_root_logge
         pass
 
 
+def _log_a_failure(name: str) -> None:
+    try:
+        raise ConnectionError("Cannot connect to host storage.googleapis.com:443")
+    except ConnectionError:
+        logging.getLogger(name).exception("_request out of retries on exception")
+
+
+def test_a_command_shows_other_libraries_errors_without_their_tracebacks(capsys):
+    """A library's logged exception is its message and class on one line; ours keeps its traceback; a
+    command that is no rank of a run leaves the rank out."""
+    with logging_setup("WARNING", rank=None, library_tracebacks=False):
+        _log_a_failure("gcsfs")
+        _log_a_failure("traincore.x")
+    err = capsys.readouterr().err
+    assert ("ERROR gcsfs: _request out of retries on exception [ConnectionError; traceback not shown]\n"
+            in err), err
+    assert err.count("Traceback") == 1 and "ERROR traincore.x: _request out of retries" in err, err
+    assert "[rank" not in err
+    with logging_setup("WARNING"):  # a run's own setup: every traceback, as before
+        _log_a_failure("gcsfs")
+    err = capsys.readouterr().err
+    assert "Traceback" in err and "WARNING" not in err and "ERROR [rank 0] gcsfs" in err
+
+
 def test_jsonl_and_tensorboard_read_back(tmp_path):
     from tensorboard.backend.event_processing.plugin_event_accumulator import EventAccumulator
     from tensorboard.util import tensor_util
