@@ -46,7 +46,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     """CLI: stage and print one summary line; exit code 2 (one ``error:`` line, no traceback) for a bad
-    source or settings, too little disk space, or an output that cannot be written."""
+    source or settings, too little disk space, or an output that cannot be written; 130 and one line when
+    interrupted."""
     args = parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
@@ -62,6 +63,9 @@ def main(argv: list[str] | None = None) -> int:
     except OSError as exc:  # anything stage() could not name better: still one line, no traceback
         print(f"error: {exc.strerror or exc}: {exc.filename or args.output}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:  # Ctrl-C, or a factory raising it: stage() removed its partial copy
+        print(f"interrupted: nothing was published, {args.output} is as it was", file=sys.stderr)
+        return 130
     size, seconds = directory_bytes(args.output) / 2**20, time.perf_counter() - start
     print(f"staged {summary(manifest)} -> {args.output} ({size:.1f} MiB, {seconds:.1f} s)")
     return 0

@@ -114,3 +114,48 @@ def test_a_bad_image_in_a_decode_process_is_one_error_line(image_folder_factory,
     for noise in ("Traceback", "multiprocessing", "concurrent.futures", "_RemoteTraceback"):
         assert noise not in result.stderr, result.stderr
     assert not (tmp_path / "data").exists()
+
+
+INTERRUPTING_FACTORY = '''
+import numpy as np
+
+
+class Interrupting:
+    """Raises KeyboardInterrupt at its sixth item, as Ctrl-C during staging does."""
+
+    classes = ["a", "b"]
+
+    def __len__(self):
+        return 40
+
+    def __getitem__(self, index):
+        if index == 5:
+            raise KeyboardInterrupt
+        return np.zeros((4, 4), dtype=np.uint8), index % 2
+
+
+def make(split="train"):
+    return Interrupting()
+'''
+
+
+def test_an_interrupted_staging_publishes_nothing_and_says_so_in_one_line(tmp_path, capsys, monkeypatch):
+    """Ctrl-C (here a factory that raises KeyboardInterrupt) was a 30-line traceback; the staging it would
+    have replaced stays as it was."""
+    (tmp_path / "interrupting.py").write_text(INTERRUPTING_FACTORY)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    output = tmp_path / "d"
+    assert main(["--source", "synthetic", "--samples", "40", "--image-size", "4", "--output",
+                 str(output)]) == 0
+
+    def listing() -> list[str]:
+        return sorted(path.name for path in tmp_path.iterdir() if path.name != "__pycache__")
+
+    before = listing()
+    capsys.readouterr()
+    assert main(["--source", "python:interrupting:make", "--image-size", "4", "--output", str(output),
+                 "--overwrite"]) == 130
+    err = capsys.readouterr().err
+    assert f"interrupted: nothing was published, {output} is as it was\n" in err and "Traceback" not in err
+    assert Manifest.load(output).source == "synthetic"
+    assert listing() == before  # no partial copy left beside it
