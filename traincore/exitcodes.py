@@ -7,3 +7,7 @@ job's three verdicts took (measured on a 2-core machine).
 
 PREEMPTED_EXIT_CODE = 75
 """Exit code of a preempted run (EX_TEMPFAIL, "try again"): the same command resumes it."""
+
+INTERRUPTED_EXIT_CODE = 130
+"""Exit code of a command stopped by Ctrl-C (128 + SIGINT, as a shell reports it), after one line saying what
+it left."""

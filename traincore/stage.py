@@ -12,6 +12,7 @@ import time
 
 from traincore.config import ConfigError, DataConfig
 from traincore.data import StagingError, directory_bytes, stage, summary
+from traincore.exitcodes import INTERRUPTED_EXIT_CODE
 from traincore.files import local_path_argument
 
 
@@ -65,7 +66,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     except KeyboardInterrupt:  # Ctrl-C, or a factory raising it: stage() removed its partial copy
         print(f"interrupted: nothing was published, {args.output} is as it was", file=sys.stderr)
-        return 130
+        return INTERRUPTED_EXIT_CODE
     size, seconds = directory_bytes(args.output) / 2**20, time.perf_counter() - start
     print(f"staged {summary(manifest)} -> {args.output} ({size:.1f} MiB, {seconds:.1f} s)")
     return 0

@@ -27,6 +27,7 @@ from traincore.data import (
     eval_batches,
     open_streamed,
 )
+from traincore.exitcodes import INTERRUPTED_EXIT_CODE
 from traincore.files import local_path_argument, path_argument
 
 
@@ -154,7 +155,8 @@ def format_result(result: EvalResult) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """CLI: print the accuracy line; exit code 2 for a missing model, unusable data or a bad argument."""
+    """CLI: print the accuracy line; exit code 2 for a missing model, unusable data or a bad argument, 130
+    and one line when interrupted."""
     parser = argparse.ArgumentParser(prog="python -m traincore.evaluate", description=__doc__.splitlines()[0])
     parser.add_argument("--model", required=True, type=local_path_argument,
                         help="exported model.safetensors (python -m traincore.export)")
@@ -170,6 +172,9 @@ def main(argv: list[str] | None = None) -> int:
     except (ValueError, OSError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:
+        print("interrupted: no score (the evaluation writes nothing)", file=sys.stderr)
+        return INTERRUPTED_EXIT_CODE
     print(format_result(result))
     return 0
 

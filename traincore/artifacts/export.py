@@ -44,6 +44,7 @@ from traincore.checkpoint import (
     verify_checkpoint,
 )
 from traincore.config import VALIDATION_METRICS, ModelConfig
+from traincore.exitcodes import INTERRUPTED_EXIT_CODE
 from traincore.files import give_default_mode, local_path_argument, publish, sha256_file, write_atomically
 from traincore.model import ModelImportError, build_model, check_trusted, parameter_count
 
@@ -392,7 +393,8 @@ def trust_from_args(args: argparse.Namespace) -> bool | str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """CLI: export and print one summary line; exit code 2 for a missing or unusable checkpoint."""
+    """CLI: export and print one summary line; exit code 2 for a missing or unusable checkpoint, 130 and one
+    line when interrupted."""
     parser = argparse.ArgumentParser(prog="python -m traincore.export", description=__doc__.splitlines()[0])
     parser.add_argument("--checkpoint", required=True, type=local_path_argument,
                         help="a step directory or a checkpoints root")
@@ -414,6 +416,9 @@ def main(argv: list[str] | None = None) -> int:
     except (CheckpointError, ExportError, ModelImportError, OSError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:  # export() removed what it had written
+        print(f"interrupted: no model was exported to {args.output}", file=sys.stderr)
+        return INTERRUPTED_EXIT_CODE
     print(f"exported {result.path} ({result.num_bytes / 1e6:.2f} MB, {result.dtype}, sha256 "
           f"{result.sha256[:12]}, step {result.step}, {result.num_parameters:,} parameters): step "
           f"{result.step} is {result.selected}")

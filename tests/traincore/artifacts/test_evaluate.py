@@ -85,6 +85,16 @@ def test_cli_prints_the_accuracy_line(exported, synthetic_dir, capsys):
     assert "split 'nope'" in capsys.readouterr().err
 
 
+def test_ctrl_c_is_one_line_and_exit_130(exported, synthetic_dir, capsys, monkeypatch):
+    def interrupted(*args):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(sys.modules["traincore.artifacts.evaluate"], "evaluate", interrupted)  # the package's
+    # `evaluate` is the function
+    assert main(["--model", str(exported), "--data", str(synthetic_dir)]) == 130
+    assert capsys.readouterr().err == "interrupted: no score (the evaluation writes nothing)\n"
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_evaluate_on_cuda_matches_cpu(exported, synthetic_dir):

@@ -251,6 +251,24 @@ def test_weights_without_their_config_are_not_left_behind(tmp_path, monkeypatch)
     assert list((tmp_path / "out").iterdir()) == []
 
 
+def test_ctrl_c_during_an_export_leaves_nothing_and_is_one_line(tmp_path, monkeypatch, capsys):
+    """Ctrl-C as the config is written: the weights and lineage already published go, and the CLI says so
+    in one line with exit 130 instead of a traceback."""
+    trained_checkpoint(tmp_path / "checkpoints", "sync")
+    write_atomically = export_module.write_atomically
+
+    def interrupted(path, text):
+        if path.name == "m.json":
+            raise KeyboardInterrupt
+        return write_atomically(path, text)
+
+    monkeypatch.setattr(export_module, "write_atomically", interrupted)
+    output = tmp_path / "out" / "m.safetensors"
+    assert main(["--checkpoint", str(tmp_path / "checkpoints"), "--output", str(output)]) == 130
+    assert capsys.readouterr().err == f"interrupted: no model was exported to {output}\n"
+    assert list((tmp_path / "out").iterdir()) == []
+
+
 def test_a_checkpoint_that_cannot_be_read_is_an_export_error(tmp_path, monkeypatch):
     trained_checkpoint(tmp_path / "checkpoints", "sync")
 
