@@ -52,6 +52,7 @@ from traincore.run import (
     preflight,
     read_record,
     settle_worker,
+    shutdown_timeout_s,
     start_method,
     worker_threads,
 )
@@ -260,6 +261,8 @@ class ElasticTrainTask(TopologyTaskMixin, PytorchElasticFunctionTask):
         store = checkpoint_store(root, self.topology.store_secret)
         dataset = dataset_location(kwargs["dataset"].directory, self.topology.store_secret)
         try:
+            if not self.single_process:
+                shutdown_timeout_s()  # the plugin's launcher reads it, and fails on what this refuses
             preflight(kwargs["config"], dataset, Path(flytekit.current_context().working_directory) / "run",
                       store, world_size=self.topology.nnodes * self.topology.nproc_per_node)
         except ValueError as exc:  # every one of preflight's refusals names the input and the fix

@@ -86,6 +86,19 @@ def test_bad_config_fails_before_any_worker_starts(monkeypatch, dataset, tmp_pat
     assert isinstance(caught.value, click.ClickException), type(caught.value)
 
 
+def test_a_shutdown_timeout_the_plugins_launcher_cannot_read_fails_before_any_worker_starts(
+        monkeypatch, dataset, tmp_path):
+    """The plugin's LaunchConfig reads TORCH_ELASTIC_SHUTDOWN_TIMEOUT with int(): a bare ValueError
+    traceback once the workers were due."""
+    def launched(self, **kwargs):
+        raise AssertionError("workers were launched")
+
+    monkeypatch.setattr(PytorchElasticFunctionTask, "execute", launched)
+    monkeypatch.setenv("TORCH_ELASTIC_SHUTDOWN_TIMEOUT", "1m")
+    with pytest.raises(click.ClickException, match="TIMEOUT='1m' is not a whole number of seconds"):
+        train_task.execute(config=preset("debug"), dataset=dataset, checkpoint_root=str(tmp_path))
+
+
 def test_one_task_per_topology_with_matching_elastic_config():
     wide = Topology(backend="kubernetes", nnodes=3, nproc_per_node=4, gpus_per_node=4, max_restarts=0,
                     rdzv_timeout_s=1200)

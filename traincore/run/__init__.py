@@ -18,7 +18,14 @@ Other packages import from here, never from the modules.
 """
 
 from traincore.run.dist import DistContext, parallelize
-from traincore.run.launch import WORKER_NAME, open_start_gate, settle_worker, start_method, worker_threads
+from traincore.run.launch import (
+    WORKER_NAME,
+    open_start_gate,
+    settle_worker,
+    shutdown_timeout_s,
+    start_method,
+    worker_threads,
+)
 from traincore.run.membership import check_node_range, elastic_config, node_range
 from traincore.run.param_groups import check_param_groups
 from traincore.run.preemption import Preempted, PreemptionWatch, read_record
@@ -32,6 +39,6 @@ __all__ = [
     "check_model_input", "check_node_range", "check_param_groups", "DistContext", "elastic_config", "endless",
     "ensure_writable_dir", "lr_factor", "open_start_gate", "OutputError", "node_range", "parallelize",
     "Preempted", "PreemptionWatch", "preflight", "Progress", "read_record", "seed_everything",
-    "settle_worker", "start_method", "StateRegistry", "Trainer", "training_registry", "worker_threads",
-    "WORKER_NAME",
+    "settle_worker", "shutdown_timeout_s", "start_method", "StateRegistry", "Trainer", "training_registry",
+    "worker_threads", "WORKER_NAME",
 ]

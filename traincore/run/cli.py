@@ -46,6 +46,7 @@ from traincore.run.launch import (
     launch_local,
     name_worker,
     refuse_under_torchrun,
+    shutdown_timeout_s,
     start_method,
     worker_threads,
 )
@@ -232,9 +233,11 @@ def train_local_workers(cfg: Config, args: argparse.Namespace, started_at: float
     """Check the run once here, then train in ``--nproc-per-node`` workers; rank 0's summary."""
     startup = StartupClock(started_at)
     startup.mark("imports")
+    # The launcher's environment first: preflight creates the output directory.
+    threads, _ = worker_threads(args.nproc_per_node), shutdown_timeout_s()
     manifest = preflight(cfg, args.data, args.output, args.checkpoint_dir, world_size=args.nproc_per_node)
     startup.mark("preflight")
-    if start_method(worker_threads(args.nproc_per_node), torch.cuda.is_available()) == "fork":
+    if start_method(threads, torch.cuda.is_available()) == "fork":
         # torch.optim's constructors import torch._dynamo (add_param_group is wrapped in
         # torch._disable_dynamo): about 1.5 s, paid here once for every forked worker instead of in each.
         importlib.import_module("torch._dynamo")

@@ -62,6 +62,23 @@ def worker_threads(nproc_per_node: int) -> int:
                           "the threads each worker may use, e.g. 1, or unset it") from exc
 
 
+def shutdown_timeout_s() -> int:
+    """Seconds torch elastic's agent waits after signalling its workers before it SIGKILLs them:
+    TORCH_ELASTIC_SHUTDOWN_TIMEOUT, read as torch reads it (a whole number), else torch's 30. A ConfigError
+    for a value torch cannot read: its launcher would end in a bare ValueError traceback after preflight,
+    and a fractional value such as 45.5 is refused there too."""
+    value = os.environ.get("TORCH_ELASTIC_SHUTDOWN_TIMEOUT", "30")
+    try:
+        seconds = int(value)
+    except ValueError:
+        seconds = -1
+    if seconds < 0:
+        raise ConfigError(f"TORCH_ELASTIC_SHUTDOWN_TIMEOUT={value!r} is not a whole number of seconds >= 0: "
+                          "set it to how long torch elastic waits after signalling its workers before it "
+                          "SIGKILLs them, e.g. 30 (the default), or unset it")
+    return seconds
+
+
 START_GATE_TIMEOUT_S = 300  # a worker waits this long for its siblings (a dead one ends the attempt sooner)
 _start_gate: mmap.mmap | None = None  # one byte per local worker, shared with forked ones (open_start_gate)
 
@@ -149,7 +166,7 @@ def launch_local(entrypoint: Callable[..., Any], args: tuple, nproc_per_node: in
     # Here: a one-process run (which imports this module for its checks) never loads torch elastic's launcher.
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
-    threads = worker_threads(nproc_per_node)
+    threads, shutdown_timeout = worker_threads(nproc_per_node), shutdown_timeout_s()
     method = start_method(threads, torch.cuda.is_available())
     if method == "spawn":
         # A forkserver instead: one fresh interpreter imports the entrypoint's module, and each worker (and
@@ -161,5 +178,5 @@ def launch_local(entrypoint: Callable[..., Any], args: tuple, nproc_per_node: in
         open_start_gate(nproc_per_node)
     config = LaunchConfig(min_nodes=1, max_nodes=1, nproc_per_node=nproc_per_node, run_id=str(uuid.uuid4()),
                           rdzv_backend="c10d", rdzv_endpoint="localhost:0", max_restarts=max_restarts,
-                          start_method=method)
+                          start_method=method, shutdown_timeout=shutdown_timeout)
     return elastic_launch(config, _run)(entrypoint, threads, *args)

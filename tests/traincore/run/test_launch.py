@@ -85,6 +85,25 @@ def test_bad_input_is_refused_by_the_parent_before_any_worker_starts(digits_dir,
     assert not (tmp_path / "run").exists()
 
 
+@pytest.mark.parametrize("name, value, message", [
+    ("TORCH_ELASTIC_SHUTDOWN_TIMEOUT", "abc", "TORCH_ELASTIC_SHUTDOWN_TIMEOUT='abc' is not a whole number"),
+    ("TORCH_ELASTIC_SHUTDOWN_TIMEOUT", "45.5", "TORCH_ELASTIC_SHUTDOWN_TIMEOUT='45.5' is not a whole number"),
+    ("TORCH_ELASTIC_SHUTDOWN_TIMEOUT", "-1", "TORCH_ELASTIC_SHUTDOWN_TIMEOUT='-1' is not a whole number"),
+    ("OMP_NUM_THREADS", "two", "OMP_NUM_THREADS='two' is not an integer"),
+])
+def test_a_launcher_setting_torch_cannot_read_is_refused_before_anything_is_written(
+        digits_dir, tmp_path, name, value, message, monkeypatch, capfd):
+    """torch's launcher reads TORCH_ELASTIC_SHUTDOWN_TIMEOUT with int(): 'abc' ended in its ValueError
+    traceback after preflight had created the output directory, as a bad OMP_NUM_THREADS did."""
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    monkeypatch.setenv(name, value)
+    code = main(["--data", str(digits_dir), "--output", str(tmp_path / "run"), "--preset", "debug",
+                 "--config", json.dumps(TINY), *TWO])
+    stderr = capfd.readouterr().err
+    assert code == 2 and message in stderr and stderr.count("error: ") == 1, stderr[-3000:]
+    assert "Traceback" not in stderr and not (tmp_path / "run").exists()
+
+
 def test_a_worker_error_reaches_the_user_with_a_non_zero_exit(digits_dir, tmp_path):
     # Only rank 0's telemetry reads the peak override, in the worker, after the parent's checks passed.
     done = train(digits_dir, tmp_path / "run", *TWO, "--max-steps", "4", env={"TRAINCORE_PEAK_FLOPS": "fast"})
