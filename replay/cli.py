@@ -21,6 +21,7 @@ from replay import literals
 from replay.graph import NodeFailed, Replay
 from replay.package import PackageError, read_package
 from replay.store import Execution, Store
+from traincore.exitcodes import INTERRUPTED_EXIT_CODE
 from traincore.files import path_argument
 
 DEFAULT_PLAN = "workflows.pipeline.training_pipeline"
@@ -240,6 +241,14 @@ def write_summary(path: Path, summary: dict) -> None:
     path.write_text(json.dumps(summary, indent=1, default=str))
 
 
+def interrupted(prog: str) -> int:
+    """Ctrl-C: one line and exit code 130. The pods run in sessions of their own, out of the terminal's
+    reach, and the replay stopped the running ones (replay.pod.run_pods); each pod's log stays."""
+    print(f"{prog}: interrupted: the running node's pods were stopped; the workdir keeps every pod's log",
+          file=sys.stderr)
+    return INTERRUPTED_EXIT_CODE
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     try:
@@ -253,6 +262,8 @@ def main(argv: list[str] | None = None) -> int:
     except NodeFailed as exc:
         print(f"replay: FAILED: {exc}", file=sys.stderr)
         return 1
+    except KeyboardInterrupt:
+        return interrupted("replay")
     report(summary)
     if args.summary_json:
         write_summary(args.summary_json, summary)

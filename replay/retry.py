@@ -27,6 +27,7 @@ from replay import literals
 from replay.cli import (
     DEFAULT_PLAN,
     REFUSALS,
+    interrupted,
     package_archive,
     positive_seconds,
     python_bin_dir,
@@ -140,6 +141,8 @@ def main(argv: list[str] | None = None) -> int:
     except NodeFailed as exc:
         print(f"replay.retry: FAILED: {exc}", file=sys.stderr)
         return 1
+    except KeyboardInterrupt:
+        return interrupted("replay.retry")
     print("replay.retry: outputs " + json.dumps(summary["outputs"], default=str)[:2000], flush=True)
     if args.summary_json:
         write_summary(args.summary_json, summary)

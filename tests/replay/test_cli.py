@@ -250,3 +250,19 @@ def test_a_retry_of_a_node_the_workflow_lacks_names_it(package, tmp_path, capsys
     assert retry.main(argv) == 2
     assert f"replay.retry: error: no node 'n9' in workflow {WORKFLOW}" in capsys.readouterr().err
     assert not (tmp_path / "w").exists()  # made to unpack the package, and removed with the refusal
+
+
+@pytest.mark.parametrize("main, work, prog", [(cli.main, "replay_package", "replay"),
+                                              (retry.main, "rerun_node", "replay.retry")])
+def test_ctrl_c_is_one_line_and_exit_130(package, tmp_path, capsys, monkeypatch, main, work, prog):
+    """Ctrl-C on the replay (or its retry) was a traceback; run_pods' own clean-up stops the pods."""
+    def interrupted(args):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(sys.modules[main.__module__], work, interrupted)
+    argv = [str(package), "--workdir", str(tmp_path / "w")]
+    if main is retry.main:
+        argv += ["--store", str(tmp_path / "store"), "--execution", "e", "--node", "n0"]
+    assert main(argv) == 130
+    assert capsys.readouterr().err == (f"{prog}: interrupted: the running node's pods were stopped; the "
+                                       "workdir keeps every pod's log\n")
