@@ -14,6 +14,7 @@ import signal
 import uuid
 from pathlib import Path
 
+import fsspec
 import pytest
 from ranks import start_script, wait_exit, warm
 
@@ -141,6 +142,9 @@ def test_a_store_without_credentials_is_one_error_line(tmp_path, monkeypatch, ca
         monkeypatch.setenv(name, str(tmp_path / "no-such-file"))
     monkeypatch.setenv("AWS_EC2_METADATA_DISABLED", "true")
     monkeypatch.setenv("AWS_ENDPOINT_URL", "http://127.0.0.1:9")  # never reached: no credentials to sign with
+    # fsspec keeps one filesystem per set of arguments in a process, whatever the environment was when an
+    # earlier test made it: this one must read the environment above.
+    fsspec.get_filesystem_class("s3").clear_instance_cache()
     uri = f"s3://registry-{uuid.uuid4().hex[:8]}/models"
     for command in (["list", uri], ["show", uri, "20260101-000000-abcdef12"]):
         assert main(command) == 2
