@@ -233,8 +233,8 @@ def train_local_workers(cfg: Config, args: argparse.Namespace, started_at: float
     """Check the run once here, then train in ``--nproc-per-node`` workers; rank 0's summary."""
     startup = StartupClock(started_at)
     startup.mark("imports")
-    # The launcher's environment first: preflight creates the output directory.
-    threads, _ = worker_threads(args.nproc_per_node), shutdown_timeout_s()
+    threads = worker_threads(args.nproc_per_node)
+    shutdown_timeout_s()  # refused here, before preflight creates the output directory
     manifest = preflight(cfg, args.data, args.output, args.checkpoint_dir, world_size=args.nproc_per_node)
     startup.mark("preflight")
     if start_method(threads, torch.cuda.is_available()) == "fork":
