@@ -63,7 +63,7 @@ RUN pip install --no-deps --no-index --no-build-isolation . \
 USER 1000:1000
 ENV HOME=/home/flyte
 # Import check as the task user, from / so the installed package (not the working copy) is imported.
-RUN cd / && python -c "import traincore.train, tasks.train, tasks.stage, tasks.export, tasks.evaluate, \
+RUN cd / && python -c "import traincore.run.cli, tasks.train, tasks.stage, tasks.export, tasks.evaluate, \
 workflows.pipeline; import torch, torchvision, flytekit, flytekitplugins.kfpytorch; print('torch', torch.__version__)"
 
 # Last, so that a new tag (every git revision) changes only this metadata layer.

@@ -17,7 +17,7 @@ PACKAGES = ("traincore", "tasks", "workflows", "replay")
 # `python -m traincore.<name>`: each is a thin entry point into the module that holds the command.
 CLI_SHIMS = {"traincore.train": "traincore.run.cli", "traincore.export": "traincore.artifacts.export",
              "traincore.evaluate": "traincore.artifacts.evaluate",
-             "traincore.registry": "traincore.artifacts.registry"}
+             "traincore.registry": "traincore.artifacts.registry", "traincore.stage": "traincore.data.cli"}
 
 
 def module_name(path: Path) -> str:

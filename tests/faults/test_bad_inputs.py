@@ -34,20 +34,20 @@ import pytest
 import torch
 from faultlib import TINY, child_env, torchrun
 
-import traincore.evaluate
-import traincore.export
-import traincore.stage
-import traincore.train
 from tasks.launch import train_task_for
 from tasks.plan import plan_run
 from tasks.stage import stage_dataset
 from tasks.types import StagedDataset, Topology
+from traincore.artifacts.evaluate import main as evaluate_main
 from traincore.artifacts.export import WEIGHTS_FILE, export
+from traincore.artifacts.export import main as export_main
 from traincore.checkpoint import MARKER, verify_checkpoint
 from traincore.config.presets import preset
 from traincore.config.schema import DataConfig
+from traincore.data.cli import main as stage_main
 from traincore.data.manifest import MANIFEST, Manifest
 from traincore.data.staging import stage
+from traincore.run.cli import main as train_main
 from traincore.run.trainer import Trainer
 from workflows.pipeline import training_pipeline
 
@@ -523,8 +523,7 @@ CASES = [
     Case("workflow-wrong-input-type", "workflow", lambda e: dict(epochs="3"),
          ("Failed argument 'epochs'",), ("Expected value of type <class 'int'>",)),
 ]
-CLIS = {"stage": traincore.stage.main, "train": traincore.train.main, "export": traincore.export.main,
-        "evaluate": traincore.evaluate.main}
+CLIS = {"stage": stage_main, "train": train_main, "export": export_main, "evaluate": evaluate_main}
 
 
 def complete_looking(roots: list[Path]) -> set[Path]:
@@ -612,7 +611,7 @@ def test_refused_export_leaves_its_checkpoint_as_committed(env, capsys):
     """The output-inside-the-checkpoint case, once more: the checkpoint still verifies, file for file."""
     step = env.run.checkpoints / "step-000002"
     files = sorted(p.name for p in step.iterdir())
-    assert traincore.export.main(export_argv(env, output=step / WEIGHTS_FILE)) == 2
+    assert export_main(export_argv(env, output=step / WEIGHTS_FILE)) == 2
     assert "is inside the checkpoint" in capsys.readouterr().err
     assert sorted(p.name for p in step.iterdir()) == files
     verify_checkpoint(step)

@@ -22,9 +22,9 @@ import pytest
 from faultlib import TINY, child_env, run, train_args
 
 import tasks.stage
+import traincore.data.cli
 import traincore.data.manifest
 import traincore.data.staging
-import traincore.stage
 from tasks.stage import stage_dataset
 from traincore.config.presets import preset
 from traincore.config.schema import DataConfig
@@ -274,7 +274,7 @@ def test_stage_cli_restages_a_corrupt_staging_of_the_same_settings(damaged_copy,
             "--samples", str(key["synthetic_samples"]), "--classes", str(key["synthetic_classes"]),
             "--samples-per-shard", str(key["samples_per_shard"]), "--output", str(damaged_copy)]
     caplog.set_level(logging.WARNING, logger="traincore.stage")
-    assert traincore.stage.main(args) == 0
+    assert traincore.data.cli.main(args) == 0
     assert f"{damaged_copy / 'val-00000.u8'} fails its sha256 check" in caplog.text
     assert "staged synthetic" in capsys.readouterr().out
     StagedSplit(damaged_copy, "val", verify_hashes=True)

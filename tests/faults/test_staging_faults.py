@@ -22,7 +22,6 @@ from faultlib import child_env
 
 import traincore.data.manifest
 import traincore.data.staging
-import traincore.stage
 from traincore.config.schema import DataConfig
 from traincore.data.imagefolder import list_images
 from traincore.data.loader import StagedSplit

@@ -53,7 +53,7 @@ def test_images_import_the_same_code():
                 if m.split(".")[0] in ("traincore", "tasks", "workflows")}
 
     assert first_party("cpu") == first_party("cuda")
-    assert {"traincore.train", "tasks.train", "workflows.pipeline"} <= first_party("cpu")
+    assert {"traincore.run.cli", "tasks.train", "workflows.pipeline"} <= first_party("cpu")
 
 
 # Broken variants of the CPU Dockerfile: each must be reported, with the words given.
@@ -78,7 +78,7 @@ BROKEN = {
                           "FLYTE_INTERNAL_IMAGE"),
     "buffered": (lambda t: t.replace("PYTHONUNBUFFERED=1", "PYTHONUNBUFFERED=0"), "PYTHONUNBUFFERED"),
     "no venv": (lambda t: t.replace("python3 -m venv /opt/venv", "true"), "venv"),
-    "stale import": (lambda t: t.replace("import traincore.train,", "import traincore.loop,"),
+    "stale import": (lambda t: t.replace("import traincore.run.cli,", "import traincore.loop,"),
                      "traincore.loop, which is not a module"),
     "undeclared import": (lambda t: t.replace("import torch, torchvision,", "import torch, lightning,"),
                           "lightning is not declared"),

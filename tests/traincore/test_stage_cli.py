@@ -7,8 +7,8 @@ import sys
 
 import pytest
 
+from traincore.data.cli import main
 from traincore.data.manifest import Manifest
-from traincore.stage import main
 
 
 def run_cli(*args: str) -> subprocess.CompletedProcess:

@@ -15,6 +15,7 @@
     loader       memory-mapped reader and the resumable, world-size-independent training loader
     augment      augmentation on the device (random resized crop, flip), seeded by each batch's place
     autotune     an opt-in probe that picks num_workers and prefetch_factor for this machine
+    cli          the staging command (``python -m traincore.stage``): one summary line, or one error line
 """
 
 from traincore.data.autotune import autotune

@@ -15,9 +15,9 @@ import torch.nn.functional as F
 from sklearn.metrics import confusion_matrix as sk_confusion
 from sklearn.metrics import precision_score, recall_score
 
-import traincore.export
 from traincore.artifacts.evaluate import confusion_matrix, evaluate, main, precision_recall, resolve_device
 from traincore.artifacts.export import export, load_exported
+from traincore.artifacts.export import main as export_main
 from traincore.config.presets import preset
 from traincore.data.loader import StagedSplit
 from traincore.data.manifest import StagingError
@@ -161,7 +161,7 @@ def test_a_checkpoint_given_as_the_model_gets_an_export_command_that_works(given
         done = subprocess.run([sys.executable, *command[1:]], capture_output=True, text=True, timeout=120)
         assert done.returncode == 0 and done.stdout.startswith(f"exported {output}"), done.stderr
     else:
-        assert traincore.export.main(command[3:]) == 0
+        assert export_main(command[3:]) == 0
         assert capsys.readouterr().out.startswith(f"exported {output}")
     assert main(["--model", str(output), "--data", str(synthetic_dir)]) == 0
     assert capsys.readouterr().out.startswith("test accuracy: ")

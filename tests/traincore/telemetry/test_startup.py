@@ -69,7 +69,7 @@ def test_a_clock_handed_to_a_worker_continues_from_the_launchers_last_mark():
 
 
 def test_import_of_the_trainer_loads_no_heavy_optional_module():
-    code = (f"import json, sys\nimport traincore.train\n"
+    code = (f"import json, sys\nimport traincore.run.cli\n"
             f"print(json.dumps([m for m in {HEAVY!r} if m in sys.modules]))")
     loaded = json.loads(run_python(code))
     assert loaded == []
