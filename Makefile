@@ -33,8 +33,8 @@ test: install-dev
 
 # The replays of whole workflows whose every node is a pod of its own (a fresh interpreter: 8-12 s each on
 # 2 cores), too long for a test of `make test`: the hyperparameter search on Kubernetes and local backends,
-# scheduled retraining on two pods warm-started from the registry, a search trial on Slurm; and the end-to-end
-# benchmark's three whole runs and the resume after a Slurm time limit (tests marked `long`).
+# scheduled retraining on two pods warm-started from the registry, the 2-pod jobs that lose and regain pods,
+# the 2-pod run on S3 and its resumes (tests marked `long`).
 test-long: install-dev
 	$(BIN)/python -m pytest -n $(TEST_WORKERS) -m long
 

@@ -89,7 +89,6 @@ def test_streaming_bench_reads_a_staging_served_as_a_slow_store(tmp_path):
     assert streaming["ratios"]["time to first step, large over small"] > 0
 
 
-@pytest.mark.long  # three whole runs (a plain loop, torchrun, the pyflyte workflow): 75-100 s in the suite
 def test_runner_writes_the_end_to_end_table(tmp_path):
     report = run_tiny(tmp_path, "end_to_end")
     (end_to_end,) = report["benchmarks"]

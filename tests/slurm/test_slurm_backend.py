@@ -161,7 +161,6 @@ def test_local_ddp_resumes_from_the_checkpoint_of_the_slurm_nodes(shared_root, s
     assert back.returncode == 0 and "resumed from step 20" in output(back), output(back)[-3000:]
 
 
-@pytest.mark.long  # two Slurm jobs and the search's nodes: about a minute, beyond the suite's 20 minutes
 def test_a_search_trial_trains_as_a_slurm_job_and_resumes_in_the_next_rungs_own(slurm_loopback, tmp_path):
     """tune_pipeline on the Slurm backend: its trial trains to the first rung as a Slurm job on a node of the
     cluster, then goes on, in a second job, from its own rung-0 checkpoint (the halving itself, over many
@@ -444,9 +443,6 @@ def test_a_time_limit_saves_the_step_and_ends_in_two_lines(time_limited_run):
     assert run.jobs == [("FAILED", 2)]  # ended itself, exit 75: not Slurm's TIMEOUT
 
 
-# A third Slurm job of two nodes (60-80 s): for the suite's 20 minutes, `make test` keeps the resume after a
-# SIGTERM of tests/faults/test_preempted_runs.py and the Slurm nodes' resume of a local root above.
-@pytest.mark.long
 def test_the_same_command_resumes_after_a_time_limit(time_limited_run):
     """The same command, with a few more steps, resumes from the step the time limit saved."""
     run = time_limited_run
