@@ -27,8 +27,8 @@ run from a step before the end (its last step dropped, as if the attempt died be
   `long`: `make test-long` runs it).
 
 The tests share only the fixture's run; each leaves the others' roots and work directories alone, so any
-one of them runs alone (the first one to run pays for the fixture). Under ``make test`` (pytest-xdist) the
-replay tests are one group, on one worker (tests/conftest.py), so the 2-pod run happens once.
+one of them runs alone (the first one to run pays for the fixture). Under pytest-xdist the file is one
+scope, run whole by one worker (tests/scopes.py), so the 2-pod run happens once.
 """
 
 from __future__ import annotations
