@@ -71,4 +71,3 @@ def main(argv: list[str] | None = None) -> int:
     size, seconds = directory_bytes(args.output) / 2**20, time.perf_counter() - start
     print(f"staged {summary(manifest)} -> {args.output} ({size:.1f} MiB, {seconds:.1f} s)")
     return 0
-
