@@ -45,6 +45,12 @@ log = logging.getLogger(__name__)
 # never reuse old bytes.
 STAGING_CACHE_VERSION = f"staging-format-{FORMAT_VERSION}"
 
+IN_POD_STAGING_BYTES = 256 << 20
+"""A staging of one partition at most this size is staged by stage_dataset's own pod on a cluster, not by a
+map task's pod and publish_staging's: two pods fewer, each a scheduling and an interpreter's start (8 s of a
+replayed pipeline's wall time on 2 cores, measured) for a dataset staged in seconds. The bound keeps that
+pod, which asks for no disk, within what any node's disk gives a pod unasked."""
+
 
 def staging_directory(data: DataConfig, source_fingerprint: str) -> Path:
     """Where to stage: in a pod, the task's working directory (Flyte uploads it); locally, a directory per
@@ -98,6 +104,9 @@ def stage_dataset(data: DataConfig, source_fingerprint: str, partitions: int = 0
     location = FlyteContextManager.current_context().file_access.get_random_remote_directory()
     print(f"stage_dataset: {partitions} partition(s) into {location}", flush=True)
     # The partitions stage the source as listed here, and refuse to if it changes before they list it.
+    if partitions == 1 and estimated_bytes(data, source.count) <= IN_POD_STAGING_BYTES:
+        print("stage_dataset: small enough to stage in this pod", flush=True)
+        return _publish(data, location, [_stage_and_upload(data, now, location, partitions, 0)])
     stage_one = functools.partial(stage_partition_task, data=data, source_fingerprint=now, location=location,
                                   partitions=partitions)
     requests = partition_requests(data, source.count, partitions, resources or NodeResources())
@@ -146,6 +155,13 @@ def stage_partition_task(data: DataConfig, source_fingerprint: str, location: st
     """One partition of a staging on a cluster: its shards, staged in this pod's working directory, then
     uploaded under ``location``; its record (traincore.data.PartitionRecord) as JSON. A retried pod
     uploads the same files under the same names."""
+    return _stage_and_upload(data, source_fingerprint, location, partitions, index)
+
+
+def _stage_and_upload(data: DataConfig, source_fingerprint: str, location: str, partitions: int,
+                      index: int) -> str:
+    """Partition ``index`` staged in this pod's working directory and uploaded under ``location``; its
+    record as JSON."""
     work = Path(flytekit.current_context().working_directory) / f"partition-{index}"
     work.mkdir(parents=True, exist_ok=True)
     start = time.perf_counter()
@@ -173,6 +189,11 @@ def _partition_line(index: int, partitions: int, line: str) -> None:
 def publish_staging(data: DataConfig, location: str, records: list[str]) -> StagedDataset:
     """The staging's manifest from every partition's record, written last under ``location``: before it,
     nothing there is a staged dataset."""
+    return _publish(data, location, records)
+
+
+def _publish(data: DataConfig, location: str, records: list[str]) -> StagedDataset:
+    """The manifest merged from the partitions' records, uploaded last under ``location``."""
     try:
         manifest = merge_partitions(data, [PartitionRecord.from_json(record) for record in records])
     except StagingError as exc:

@@ -286,9 +286,11 @@ def test_one_pod_of_two_processes_resumes_a_copy_of_the_root(two_pods, tmp_path)
     # Fast registration end to end with the replay's default store, a local directory: every node ran, the
     # train node as the task for 1 node x 2 processes in one pod, which fetched the code tarball into its
     # own directory and ran from there, not from the checkout; the first attempt has no previous checkpoint.
-    # The staging's map task and publish step run inside the stage node, the train task inside n2.
-    assert [n["node_id"] for n in run.summary["nodes"]] == ["n0", "n1", "n1-0-dn0", "n1-0-dn1", "n2",
-                                                          TRAIN_NODE, "n3", "n4"]
+    # The digits (1.8 MB) are staged in the stage node's own pod, with no map task or publish step (those of
+    # the module's run come from its two partitions); the train task runs inside n2.
+    assert [n["node_id"] for n in run.summary["nodes"]] == ["n0", "n1", "n2", TRAIN_NODE, "n3", "n4"]
+    stage_log = workdir / "pods" / f"{run.summary['execution']}-n1-0" / "log.txt"
+    assert "stage_dataset: small enough to stage in this pod" in stage_log.read_text(errors="replace")
     (node,) = [node for node in run.summary["nodes"] if node["node_id"] == TRAIN_NODE]
     assert node["task"].endswith("1x2") and node["pods"] == 1
     (pod,) = workdir.glob(f"pods/{run.summary['execution']}-{TRAIN_NODE}-0*")

@@ -24,7 +24,7 @@ from traincore.checkpoint import Store
 from traincore.tuning import StudyRecord
 from traincore.tuning.study import RECORD_FILE
 
-pytestmark = [pytest.mark.slow, pytest.mark.long]  # `make test-long`: a node is a pod, ~19 nodes
+pytestmark = [pytest.mark.slow, pytest.mark.long]  # `make test-long`: a node is a pod, 17 nodes
 
 SPACE = {"optim.lr": {"low": 5e-3, "high": 5e-2, "log": True}, "model.width": {"choices": [4, 8]}}
 MAX_STEPS = 8  # rungs of 4 and 8 steps

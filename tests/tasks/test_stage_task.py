@@ -11,6 +11,8 @@ from pathlib import Path
 import pytest
 from dynamic_compile import compile_stage  # noqa: I001  (a module beside this file)
 from flytekit import workflow
+from flytekit.core.context_manager import FlyteContextManager
+from flytekit.core.type_engine import TypeEngine
 from flytekit.models.task import Resources
 
 import tasks.stage
@@ -134,3 +136,19 @@ def test_on_a_cluster_the_staging_is_a_map_task_of_partition_pods_sized_for_thei
                         Resources.ResourceName.EPHEMERAL_STORAGE: "2Gi"}
     published = [task.id.name for task in spec.tasks if "publish" in task.id.name]
     assert published == ["tasks.stage.publish_staging"]
+
+
+def test_on_a_cluster_a_small_staging_of_one_partition_is_staged_in_the_dynamic_pod_itself():
+    """No map task, no publish step: two pods fewer. The outputs are the staged dataset, its manifest
+    written last under the location the shards went to, as publish_staging writes it."""
+    outputs = compile_stage(DATA, 0)
+    assert not hasattr(outputs, "nodes"), "a small staging still emitted a DynamicJobSpec"
+    assert tasks.stage.estimated_bytes(DATA, 60) <= tasks.stage.IN_POD_STAGING_BYTES
+    staged = TypeEngine.to_python_value(FlyteContextManager.current_context(), outputs.literals["o0"],
+                                        StagedDataset)
+    location = Path(staged.directory.remote_source or staged.directory.path)
+    manifest = Manifest.load(location)
+    assert sum(info.count for info in manifest.splits.values()) == 60
+    assert staged.classes == ["class_0", "class_1", "class_2"] and manifest.source_fingerprint == FINGERPRINT
+    shards = [shard.images for info in manifest.splits.values() for shard in info.shards]
+    assert shards and all((location / name).is_file() for name in shards)
