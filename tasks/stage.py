@@ -82,7 +82,9 @@ def stage_dataset(data: DataConfig, source_fingerprint: str, partitions: int = 0
 
     ``partitions`` > 1 stages that many runs of whole shards in parallel (0: one per 4 GiB of staged pixels):
     on a cluster a map task of :func:`stage_partition_task` pods, each uploading its shards to one location in
-    the store, then :func:`publish_staging` writes the manifest; in a local run, processes on this machine.
+    the store, then :func:`publish_staging` writes the manifest (one partition of at most
+    ``IN_POD_STAGING_BYTES`` is staged and published by this pod itself); in a local run, processes on this
+    machine.
     The bytes are the same whatever the count, so it is not part of the cache key, nor are ``resources`` (the
     partition pods' requests: the workflow input ``resources``' "stage" section). A staging already in the
     local directory is verified before it is reused; a damaged one (a shard failing its check, an unreadable
@@ -103,10 +105,10 @@ def stage_dataset(data: DataConfig, source_fingerprint: str, partitions: int = 0
     _warn_if_changed(data, source_fingerprint, now)
     location = FlyteContextManager.current_context().file_access.get_random_remote_directory()
     print(f"stage_dataset: {partitions} partition(s) into {location}", flush=True)
-    # The partitions stage the source as listed here, and refuse to if it changes before they list it.
     if partitions == 1 and estimated_bytes(data, source.count) <= IN_POD_STAGING_BYTES:
         print("stage_dataset: small enough to stage in this pod", flush=True)
         return _publish(data, location, [_stage_and_upload(data, now, location, partitions, 0)])
+    # The partitions stage the source as listed here, and refuse to if it changes before they list it.
     stage_one = functools.partial(stage_partition_task, data=data, source_fingerprint=now, location=location,
                                   partitions=partitions)
     requests = partition_requests(data, source.count, partitions, resources or NodeResources())
