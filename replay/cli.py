@@ -17,8 +17,10 @@ import uuid
 from collections.abc import Iterator
 from pathlib import Path
 
+from flyteidl.core import literals_pb2
+
 from replay import literals
-from replay.graph import NodeFailed, Replay
+from replay.graph import ExecutionAborted, NodeFailed, Replay
 from replay.package import PackageError, read_package
 from replay.store import Execution, Store
 from traincore.exitcodes import INTERRUPTED_EXIT_CODE
@@ -29,7 +31,8 @@ EPILOG = """\
 Each task runs from its serialised container args in a fresh process (one per worker replica of a
 PyTorchJob) with a Flyte pod's environment; pod directories, logs and the exact command of every pod
 (pods/<pod>/pod.json: args, env, cwd) stay under --workdir, so one pod can be rerun by hand or inside an
-image. Exit status: 0 on success, 1 when a node fails or a multi-pod world does not form, 2 on bad usage.
+image. Exit status: 0 on success, 1 when a node fails or a multi-pod world does not form, 2 on bad usage
+(or an --abort-after node that never ran), 3 when --abort-after stopped the execution.
 
 examples:
   pyflyte --pkgs workflows package --image IMG --copy all -o pkg.tgz   # fast registration
@@ -152,6 +155,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--reschedule-after", type=_delay, default=0.0, metavar="S",
                         help="seconds before a lost pod of an elastic job (SIGKILLed; its workers "
                         "restart on failure) is made again, as it waits to be scheduled (%(default)s)")
+    parser.add_argument("--abort-after", metavar="NODE",
+                        help="stop the execution once node NODE (its id as the node wall times print it, "
+                        "e.g. n3-0-dn2 inside a dynamic node) succeeded, as a user aborts one on a cluster; "
+                        "the summary lists the nodes that ran, and the store keeps what they wrote")
     parser.add_argument("--echo", action="store_true", help="stream every pod's output, prefixed by its name")
     parser.add_argument("--summary-json", type=summary_path,
                         help="write node wall times and outputs here as JSON")
@@ -208,12 +215,17 @@ def replay_package(args: argparse.Namespace) -> dict:
     print(f"replay: {args.package.name} ({'fast' if package.fast else 'non-fast'} registration), launch plan "
           f"{plan.id.name}, execution {execution.name}, workdir {workdir}", flush=True)
     replay = Replay(store, execution, workdir, args.python_bin.resolve(), code, args.node_timeout, args.echo,
-                    reschedule_s=args.reschedule_after, workflows=package.workflows)
+                    reschedule_s=args.reschedule_after, workflows=package.workflows,
+                    abort_after=args.abort_after)
     started = time.monotonic()
-    outputs = replay.run_nodes(workflow.nodes, package.tasks, {literals.START_NODE: inputs})
-    final = literals.bind_inputs(workflow.outputs, outputs)
+    aborted, final = None, literals_pb2.LiteralMap()
+    try:
+        outputs = replay.run_nodes(workflow.nodes, package.tasks, {literals.START_NODE: inputs})
+        final = literals.bind_inputs(workflow.outputs, outputs)
+    except ExecutionAborted as exc:
+        aborted = str(exc)
     return {"execution": execution.name, "workdir": str(workdir), "fast": package.fast,
-            "total_s": time.monotonic() - started,
+            "total_s": time.monotonic() - started, "aborted": aborted,
             "nodes": [vars(t) for t in replay.timings],
             "outputs": {k: literals.to_python(v) for k, v in final.literals.items()},
             "node_outputs": {node: {k: literals.to_python(v) for k, v in out.literals.items()}
@@ -267,4 +279,11 @@ def main(argv: list[str] | None = None) -> int:
     report(summary)
     if args.summary_json:
         write_summary(args.summary_json, summary)
+    if summary["aborted"]:
+        print(f"replay: ABORTED: {summary['aborted']}; the nodes after it did not run", file=sys.stderr)
+        return 3
+    if args.abort_after:
+        print(f"replay: error: --abort-after {args.abort_after}: no node of that id ran (the execution ran "
+              "to its end); give one of the node ids above", file=sys.stderr)
+        return 2
     return 0

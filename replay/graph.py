@@ -25,6 +25,11 @@ class NodeFailed(RuntimeError):
     """A node's pod(s) failed, or its outputs break what the cluster guarantees."""
 
 
+class ExecutionAborted(RuntimeError):
+    """The execution was stopped after the node ``Replay.abort_after`` names, as a user aborts one on a
+    cluster between two nodes: what the nodes before it wrote stays in the store."""
+
+
 @dataclass
 class NodeTiming:
     node_id: str
@@ -47,6 +52,7 @@ class Replay:
     echo: bool = False
     reschedule_s: float = 0.0  # until the operator's new pod for a lost one starts (restart policy OnFailure)
     attempt: int = 0  # FLYTE_ATTEMPT_NUMBER of every node run (a Flyte retry of one node: replay.retry)
+    abort_after: str | None = None  # a node id (as in the timings): the execution stops once it succeeded
     workflows: dict[str, workflow_pb2.WorkflowTemplate] = field(default_factory=dict)  # sub-workflows
     timings: list[NodeTiming] = field(default_factory=list)
     node_outputs: dict[str, literals_pb2.LiteralMap] = field(default_factory=dict)
@@ -55,23 +61,27 @@ class Replay:
                   prefix: str = "") -> dict[str, literals_pb2.LiteralMap]:
         """Run ``nodes`` in dependency order; ``outputs`` maps node id -> outputs and grows as they finish."""
         for node in dependency_order(nodes):
-            if node.WhichOneof("target") == "workflow_node":
-                outputs[node.id] = self.run_subworkflow(f"{prefix}{node.id}", node, tasks, outputs)
-                continue
-            if node.WhichOneof("target") == "array_node":
-                outputs[node.id] = self.run_array(f"{prefix}{node.id}", node, tasks, outputs)
-                continue
-            if node.WhichOneof("target") != "task_node":
-                raise NotImplementedError(f"node {node.id}: only task, array and sub-workflow nodes are "
-                                          "replayed")
-            template = tasks[node.task_node.reference_id.name]
-            if node.task_node.overrides.ListFields():  # propeller would merge these into the pod spec
-                print(f"replay: warning: node {node.id} has task overrides, which are not replayed: "
-                      f"{node.task_node.overrides}", flush=True)
-            inputs = literals.bind_inputs(node.inputs, outputs)
-            outputs[node.id] = self.run_task(f"{prefix}{node.id}", template, inputs)
-            self.node_outputs[f"{prefix}{node.id}"] = outputs[node.id]
+            outputs[node.id] = self.run_node(f"{prefix}{node.id}", node, tasks, outputs)
+            if f"{prefix}{node.id}" == self.abort_after:
+                raise ExecutionAborted(f"aborted after node {self.abort_after}, as --abort-after asked")
         return outputs
+
+    def run_node(self, node_id: str, node, tasks: dict[str, tasks_pb2.TaskTemplate],
+                 outputs: dict) -> literals_pb2.LiteralMap:
+        """One node of any kind the replay runs, on its bound inputs: its outputs."""
+        if node.WhichOneof("target") == "workflow_node":
+            return self.run_subworkflow(node_id, node, tasks, outputs)
+        if node.WhichOneof("target") == "array_node":
+            return self.run_array(node_id, node, tasks, outputs)
+        if node.WhichOneof("target") != "task_node":
+            raise NotImplementedError(f"node {node.id}: only task, array and sub-workflow nodes are replayed")
+        template = tasks[node.task_node.reference_id.name]
+        if node.task_node.overrides.ListFields():  # propeller would merge these into the pod spec
+            print(f"replay: warning: node {node.id} has task overrides, which are not replayed: "
+                  f"{node.task_node.overrides}", flush=True)
+        result = self.run_task(node_id, template, literals.bind_inputs(node.inputs, outputs))
+        self.node_outputs[node_id] = result
+        return result
 
     def run_subworkflow(self, node_id: str, node, tasks: dict[str, tasks_pb2.TaskTemplate],
                         outputs: dict) -> literals_pb2.LiteralMap:

@@ -104,51 +104,53 @@ def _record(search: Search) -> StudyRecord:
     return StudyRecord(**json.loads(checkpoint_store(search.root).read_bytes(RECORD_FILE)))
 
 
-@task
-def rung_record(search: Search, rung: int, trials: list[int], results: list[TrainResult]) -> RungResult:
-    """Each trial's metric at this rung (its best validation up to the budget), told to the study record:
-    from ``results`` (those of the trials that trained, in order), or for the rest, as an earlier run of
-    the search recorded it (:meth:`Search.known`)."""
+def _record_rung(search: Search, rung: int, trials: list[int], results: list[TrainResult],
+                 keep: int) -> RungResult:
+    """Each trial's metric at this rung (its best validation up to the budget), told to the study record,
+    with the ``keep`` best as the rung's survivors: from ``results`` (those of the trials that trained, in
+    order), or for the rest, as an earlier run of the search recorded it (:meth:`Search.known`)."""
     known, budget = search.known(rung), search.budgets[rung]
     trained = dict(zip([trial for trial in trials if trial not in known], results, strict=True))
     if any(result.summary.best_value is None for result in trained.values()):
         raise ValueError(f"rung {rung}: a trial reports no {search.metric}: every trial validates at its "
                          "rung's last step, so its summary must have one")
-    values = [known[t] if t in known else trained[t].summary.best_value for t in trials]
+    values = {t: known[t] if t in known else trained[t].summary.best_value for t in trials}
     resumed = [budget if t in known else trained[t].summary.resumed_from or 0 for t in trials]
     record = _record(search)
-    record.tell(rung, dict(zip(trials, values, strict=True)))
+    record.tell(rung, values)
     record.save(checkpoint_store(search.root))
-    for trial, value, start in zip(trials, values, resumed, strict=True):
+    for trial, start in zip(trials, resumed, strict=True):
         began = (f"recorded by an earlier run at step {budget}" if trial in known
                  else f"resumed from step {start} to step {budget}" if start else f"from step 0 to {budget}")
-        print(f"rung {rung + 1}/{len(search.budgets)}: trial {trial} {began}: {search.metric} {value:.4f}  "
-              f"{search.params[trial]}", flush=True)
-    return RungResult(rung=rung, budget=budget, trials=trials, values=values, resumed_from=resumed)
+        print(f"rung {rung + 1}/{len(search.budgets)}: trial {trial} {began}: {search.metric} "
+              f"{values[trial]:.4f}  {search.params[trial]}", flush=True)
+    return RungResult(rung=rung, budget=budget, trials=trials, values=list(values.values()),
+                      resumed_from=resumed, survivors=survivors(values, keep, search.metric))
 
 
 @task
-def rung_survivors(search: Search, result: RungResult) -> list[int]:
-    """The trials that go on to the next rung: the best 1/reduction of this one's."""
-    keep = search.sizes[result.rung + 1]
-    chosen = survivors(dict(zip(result.trials, result.values, strict=True)), keep, search.metric)
-    stopped = sorted(set(result.trials) - set(chosen))
-    print(f"rung {result.rung + 1}: trials {', '.join(map(str, chosen))} go on to step "
-          f"{search.budgets[result.rung + 1]}; {', '.join(map(str, stopped)) or 'none'} stop", flush=True)
-    return chosen
+def rung_record(search: Search, rung: int, trials: list[int], results: list[TrainResult]) -> RungResult:
+    """Record a rung before the last (:func:`_record_rung`), its survivors the trials that go on to the
+    next one: the best 1/reduction of this one's."""
+    result = _record_rung(search, rung, trials, results, keep=search.sizes[rung + 1])
+    stopped = sorted(set(result.trials) - set(result.survivors))
+    print(f"rung {rung + 1}: trials {', '.join(map(str, result.survivors))} go on to step "
+          f"{search.budgets[rung + 1]}; {', '.join(map(str, stopped)) or 'none'} stop", flush=True)
+    return result
 
 
 @task
-def finish_search(search: Search, rungs: list[RungResult], trained: list[TrainResult]) -> SearchFinish:
-    """The best trial of the last rung, and its run (exported next)."""
-    last = rungs[-1]
-    best = survivors(dict(zip(last.trials, last.values, strict=True)), 1, search.metric)[0]
-    return SearchFinish(outcome=SearchOutcome(best_trial=best, rungs=rungs),
-                        best=trained[last.trials.index(best)])
+def finish_search(search: Search, rung: int, trials: list[int], results: list[TrainResult],
+                  done: list[RungResult]) -> SearchFinish:
+    """Record the last rung (:func:`_record_rung`) and name its best trial: the outcome, the best trial's run
+    (exported next) and what the export's lineage records of the search (:func:`search_lineage`)."""
+    last = _record_rung(search, rung, trials, results, keep=1)
+    outcome = SearchOutcome(best_trial=last.survivors[0], rungs=[*done, last])
+    return SearchFinish(outcome=outcome, best=results[last.trials.index(outcome.best_trial)],
+                        lineage=search_lineage(search, outcome))
 
 
-@task
-def search_lineage_json(search: Search, outcome: SearchOutcome) -> str:
+def search_lineage(search: Search, outcome: SearchOutcome) -> str:
     """What the exported model's lineage records of the search that chose it (JSON, as the export task
     takes it): its key and root, the space, the trial, its parameters and its rung."""
     best = outcome.best_trial

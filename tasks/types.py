@@ -150,13 +150,15 @@ class Search:
 @dataclass
 class RungResult:
     """One rung of a search: the trials it trained, each one's metric (its best validation up to the rung's
-    budget), and the step it resumed from (0: from the start)."""
+    budget), the step it resumed from (0: from the start), and the trials that go on to the next rung (the
+    last rung: its best trial, the one exported)."""
 
     rung: int
     budget: int
     trials: list[int]
     values: list[float]
     resumed_from: list[int]
+    survivors: list[int]
 
 
 @dataclass
@@ -168,11 +170,13 @@ class SearchOutcome:
 
 
 class SearchFinish(NamedTuple):
-    """The rungs' result: the outcome, and the best trial's training run (exported next). Two outputs, not
-    one dataclass holding both: a node reads a whole output, never a field of one."""
+    """The rungs' result: the outcome, the best trial's training run (exported next) and what its export's
+    lineage records of the search. Outputs of their own, not one dataclass holding all: a node reads a
+    whole output, never a field of one."""
 
     outcome: SearchOutcome
     best: TrainResult
+    lineage: str  # what the best model's export records of the search (JSON: tasks.tuning.search_lineage)
 
 
 def dataset_lineage(dataset: StagedDataset) -> Lineage:

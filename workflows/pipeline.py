@@ -20,19 +20,26 @@ from tasks.types import EvalReport, ModelArtifact, StagedDataset, Topology, Trai
 from traincore.config import Config
 
 
-@dynamic
-def train_on_backend(config: Config, dataset: StagedDataset, topology: Topology, checkpoint_uri: str,
-                     capacity: str) -> TrainResult:
-    """Launch the train task the topology asks for; the checkpoint root is fixed here, so retries share it.
+def train_node(config: Config, dataset: StagedDataset, topology: Topology, checkpoint_root: str,
+               capacity: str) -> TrainResult:
+    """The train task the topology asks for, as a node of the calling dynamic workflow (train_on_backend,
+    or a search's rung, whose trials so need no dynamic node, and no pod, of their own).
 
-    ``capacity='preemptible'`` marks the train node interruptible, so Flyte may schedule its pods on spot /
+    ``capacity='preemptible'`` marks the node interruptible, so Flyte may schedule its pods on spot /
     preemptible nodes: an eviction saves the step reached (checkpoint.preemption_grace_s) and the task's
     retries resume from it. (A string, not a bool input: pyflyte run declares every bool input's flag twice
     and warns on each run; and not ``interruptible``, which pyflyte run has as an option of its own.)
     """
-    root = checkpoint_uri or default_checkpoint_root()
-    train = train_task_for(topology, config)(config=config, dataset=dataset, checkpoint_root=root)
+    train = train_task_for(topology, config)(config=config, dataset=dataset, checkpoint_root=checkpoint_root)
     return train.with_overrides(interruptible=True) if capacity == "preemptible" else train
+
+
+@dynamic
+def train_on_backend(config: Config, dataset: StagedDataset, topology: Topology, checkpoint_uri: str,
+                     capacity: str) -> TrainResult:
+    """Launch the train task the topology asks for (:func:`train_node`); the checkpoint root is fixed here,
+    so retries share it."""
+    return train_node(config, dataset, topology, checkpoint_uri or default_checkpoint_root(), capacity)
 
 
 class PipelineOutputs(NamedTuple):

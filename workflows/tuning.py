@@ -23,14 +23,7 @@ from tasks.evaluate import evaluate_model
 from tasks.export import export_model
 from tasks.plan import plan_run
 from tasks.stage import stage_dataset
-from tasks.tuning import (
-    finish_search,
-    plan_search,
-    rung_record,
-    rung_survivors,
-    search_lineage_json,
-    search_report,
-)
+from tasks.tuning import finish_search, plan_search, rung_record, search_report
 from tasks.types import (
     EvalReport,
     ModelArtifact,
@@ -44,32 +37,32 @@ from tasks.types import (
 )
 from traincore.config import Config
 from traincore.tuning import trial_config
-from workflows.pipeline import train_on_backend
+from workflows.pipeline import train_node
 
 
 @dynamic
-def run_rung(search: Search, config: Config, rung: int, trials: list[int], dataset: StagedDataset,
-             topology: Topology, capacity: str, done: list[RungResult]) -> SearchFinish:
-    """Train ``trials`` (rung 0: every trial) to this rung's budget, each from its own last checkpoint,
-    at most ``search.parallel`` at a time (but those whose result at this rung an earlier run recorded);
-    then the next rung with the survivors, or the outcome."""
-    trials = trials or list(range(len(search.params)))
+def run_rung(search: Search, config: Config, rung: int, dataset: StagedDataset, topology: Topology,
+             capacity: str, done: list[RungResult]) -> SearchFinish:
+    """Train this rung's trials (rung 0: every trial; then the survivors of the rung before) to its budget,
+    each from its own last checkpoint, at most ``search.parallel`` at a time (but those whose result at
+    this rung an earlier run recorded); then the next rung, or the outcome. Each trial is a train node of
+    this dynamic workflow (train_node): no node of its own around it."""
+    trials = done[-1].survivors if done else list(range(len(search.params)))
     base = config.with_overrides({"train.metric": search.metric})
     known = search.known(rung)  # recorded by an earlier run of this search: nothing to train again
     results = []
     for index, trial in enumerate(t for t in trials if t not in known):
-        trained = train_on_backend(
+        trained = train_node(
             config=trial_config(base, json.loads(search.params[trial]), search.budgets[rung]),
-            dataset=dataset, topology=topology, checkpoint_uri=search.trial_root(trial), capacity=capacity)
+            dataset=dataset, topology=topology, checkpoint_root=search.trial_root(trial), capacity=capacity)
         if index >= search.parallel:  # a trial starts once the one `parallel` places before it is done
             results[index - search.parallel] >> trained
         results.append(trained)
-    record = rung_record(search=search, rung=rung, trials=trials, results=results)
     if rung == len(search.budgets) - 1:
-        return finish_search(search=search, rungs=[*done, record], trained=results)
-    chosen = rung_survivors(search=search, result=record)
-    return run_rung(search=search, config=config, rung=rung + 1, trials=chosen, dataset=dataset,
-                    topology=topology, capacity=capacity, done=[*done, record])
+        return finish_search(search=search, rung=rung, trials=trials, results=results, done=done)
+    record = rung_record(search=search, rung=rung, trials=trials, results=results)
+    return run_rung(search=search, config=config, rung=rung + 1, dataset=dataset, topology=topology,
+                    capacity=capacity, done=[*done, record])
 
 
 class TuningOutputs(NamedTuple):
@@ -170,9 +163,8 @@ def tune_pipeline(
     dataset = stage_dataset(data=plan.data, source_fingerprint=plan.source_fingerprint,
                             partitions=stage_partitions, resources=plan.stage_resources)
     search >> dataset  # a bad search fails before anything stages
-    outcome, best = run_rung(search=search, config=plan.config, rung=0, trials=[], dataset=dataset,
-                             topology=plan.topology, capacity=capacity, done=[])
-    lineage = search_lineage_json(search=search, outcome=outcome)
+    outcome, best, lineage = run_rung(search=search, config=plan.config, rung=0, dataset=dataset,
+                                      topology=plan.topology, capacity=capacity, done=[])
     model = export_model(trained=best, dataset=dataset, search=lineage)
     report = evaluate_model(model=model, dataset=dataset, trained=best)
     summary = search_report(search=search, outcome=outcome, report=report)

@@ -103,6 +103,13 @@ def test_a_summary_json_that_cannot_be_written_is_refused_before_anything_runs(p
     assert not (tmp_path / "w").exists()
 
 
+def test_an_abort_after_a_node_that_never_ran_is_an_error_naming_it(package, tmp_path, capsys):
+    """The node ids of a dynamic node's children are known only once it ran: a wrong one is found at the
+    end, when the execution ran through without it."""
+    assert cli.main([str(package), "--workdir", str(tmp_path / "w"), "--abort-after", "n9"]) == 2
+    assert "replay: error: --abort-after n9: no node of that id ran" in capsys.readouterr().err
+
+
 def test_a_summary_json_in_a_directory_yet_to_be_made_is_written_there(package, tmp_path):
     summary = tmp_path / "w" / "reports" / "s.json"  # inside the workdir the replay makes
     assert cli.main([str(package), "--workdir", str(tmp_path / "w"), "--summary-json", str(summary)]) == 0

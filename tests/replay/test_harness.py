@@ -14,7 +14,7 @@ import replay_helpers  # noqa: F401, I001  (a module beside this file; puts the 
 from flyteidl.core import identifier_pb2, interface_pb2, literals_pb2, tasks_pb2, types_pb2, workflow_pb2
 from google.protobuf.struct_pb2 import Struct
 
-from replay.graph import NodeFailed, Replay, check_world, dependency_order, rank0_writer
+from replay.graph import ExecutionAborted, NodeFailed, Replay, check_world, dependency_order, rank0_writer
 from replay.package import REMOTE_PACKAGE_PATH
 from replay.pod import PodResult, PodSpec, render_args, run_pods
 from replay.retry import start_pod
@@ -161,17 +161,19 @@ def integer(value: int) -> literals_pb2.Literal:
     return literals_pb2.Literal(scalar=literals_pb2.Scalar(primitive=primitive))
 
 
-def test_a_sub_workflow_runs_its_nodes_on_the_nodes_inputs_and_gives_its_own_outputs(tmp_path):
-    """A workflow called inside another (retrain_and_promote calls training_pipeline): its nodes run under
-    the calling node's id, on that node's bound inputs, and its output bindings become the node's outputs."""
-    class Doubling(Replay):  # every task doubles its input x: the binding is what is under test, not pods
-        def run_task(self, node_id, template, inputs):
-            ran.append(node_id)
-            return literals_pb2.LiteralMap(literals={"o0": integer(2 * inputs.literals["x"].scalar.primitive
-                                                                   .integer)})
+class Doubling(Replay):
+    """Every task doubles its input x, without a pod: the binding is what is under test."""
 
+    def run_task(self, node_id, template, inputs):
+        self.ran = [*getattr(self, "ran", []), node_id]
+        return literals_pb2.LiteralMap(literals={"o0": integer(2 * inputs.literals["x"].scalar.primitive
+                                                               .integer)})
+
+
+def run_calling_workflow(replay: Replay) -> dict:
+    """A workflow of a task node n0 and a node n1 that calls a workflow of two task nodes, on a=3."""
     task = workflow_pb2.TaskNode(reference_id=identifier_pb2.Identifier(name="double"))
-    inner = workflow_pb2.WorkflowTemplate(
+    replay.workflows["inner"] = workflow_pb2.WorkflowTemplate(
         id=identifier_pb2.Identifier(name="inner"),
         nodes=[workflow_pb2.Node(id="n0", task_node=task, inputs=[binding("x", "", "y")]),
                workflow_pb2.Node(id="n1", task_node=task, inputs=[binding("x", "n0", "o0")])],
@@ -179,13 +181,28 @@ def test_a_sub_workflow_runs_its_nodes_on_the_nodes_inputs_and_gives_its_own_out
     reference = workflow_pb2.WorkflowNode(sub_workflow_ref=identifier_pb2.Identifier(name="inner"))
     call = workflow_pb2.Node(id="n1", inputs=[binding("y", "n0", "o0")], workflow_node=reference)
     outer = [workflow_pb2.Node(id="n0", task_node=task, inputs=[binding("x", "", "a")]), call]
-    ran: list[str] = []
-    replay = Doubling(Store(str(tmp_path)), EXECUTION, tmp_path, BIN, workflows={"inner": inner})
-    outputs = replay.run_nodes(outer, {"double": tasks_pb2.TaskTemplate()},
-                               {"": literals_pb2.LiteralMap(literals={"a": integer(3)})})
-    assert ran == ["n0", "n1-0-n0", "n1-0-n1"]
+    return replay.run_nodes(outer, {"double": tasks_pb2.TaskTemplate()},
+                            {"": literals_pb2.LiteralMap(literals={"a": integer(3)})})
+
+
+def test_a_sub_workflow_runs_its_nodes_on_the_nodes_inputs_and_gives_its_own_outputs(tmp_path):
+    """A workflow called inside another (retrain_and_promote calls training_pipeline): its nodes run under
+    the calling node's id, on that node's bound inputs, and its output bindings become the node's outputs."""
+    replay = Doubling(Store(str(tmp_path)), EXECUTION, tmp_path, BIN)
+    outputs = run_calling_workflow(replay)
+    assert replay.ran == ["n0", "n1-0-n0", "n1-0-n1"]
     assert outputs["n1"].literals["z"].scalar.primitive.integer == 24  # 3 -> 6 -> 12 -> 24
     assert replay.node_outputs["n1"] == outputs["n1"]
+
+
+def test_an_execution_aborted_after_a_node_runs_nothing_after_it(tmp_path):
+    """--abort-after: the execution stops once the named node (here one inside a sub-workflow) succeeded;
+    the nodes before it ran and their outputs stay."""
+    replay = Doubling(Store(str(tmp_path)), EXECUTION, tmp_path, BIN, abort_after="n1-0-n0")
+    with pytest.raises(ExecutionAborted, match="aborted after node n1-0-n0, as --abort-after asked"):
+        run_calling_workflow(replay)
+    assert replay.ran == ["n0", "n1-0-n0"]
+    assert replay.node_outputs["n1-0-n0"].literals["o0"].scalar.primitive.integer == 12
 
 
 ELEMENT = """

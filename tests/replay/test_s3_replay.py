@@ -20,11 +20,15 @@ run from a step before the end (its last step dropped, as if the attempt died be
   store a local directory too (what it tests is the pod, not the store): the pod's environment has no
   OMP_NUM_THREADS, so its one elastic worker runs at torch's default thread count
   (every core), the worker that once hung when it was forked from the task's process; it trains to the end
-  on a world of one, from the checkpoint two ranks wrote;
+  on a world of one, from the checkpoint two ranks wrote (the execution is aborted after its train node:
+  `replay --abort-after`, no export or evaluation);
 - the scheduled retraining (retrain_and_promote) on the same two pods, its checkpoint root in the bucket,
   warm-started from the registry's latest version, which is the run's exported model, published to a
-  registry in the bucket as an operator does by hand; the model it trains is published after it (marked
-  `long`: `make test-long` runs it).
+  registry in the bucket as an operator does by hand; the model it trains is published after it.
+
+The tests of the 2-pod run are marked `long` (`make test-long`): the fixture's run and the retraining take
+70-100 s each beside the suite's other worker on a fast day (2026-11-29), and about twice that on the
+slower days, past a `make test` test's 120 s.
 
 The tests share only the fixture's run; each leaves the others' roots and work directories alone, so any
 one of them runs alone (the first one to run pays for the fixture). Under pytest-xdist the file is one
@@ -53,9 +57,6 @@ from traincore.checkpoint.prune import remove_step
 from traincore.data import MANIFEST, Manifest
 
 pytestmark = pytest.mark.slow
-# The tests of the 2-pod run: its six nodes are pods of their own (a fresh interpreter each), 60 s on a quiet
-# 2-core machine, 121-133 s beside the suite's other worker, over a `make test` test's 120 s: `make
-# test-long` runs them.
 LONG = pytest.mark.long
 
 MAX_STEPS, EVERY = 20, 10
@@ -128,19 +129,21 @@ def assert_no_secret(s3, workdir: Path, prefix: str) -> None:
                 if secret in client.get_object(Bucket=s3.bucket, Key=key)["Body"].read()]
 
 
-def resumed_execution(run: SimpleNamespace, workdir: Path, *topology: str,
-                      s3_store: bool = True) -> SimpleNamespace:
+def resumed_execution(run: SimpleNamespace, workdir: Path, *topology: str, s3_store: bool = True,
+                      through_training: bool = False) -> SimpleNamespace:
     """A new execution on ``topology`` from a copy of the run's root, its last step dropped; its own store,
-    in the bucket, or with ``s3_store=False`` the replay's default (a directory in ``workdir``): the step it
+    in the bucket, or with ``s3_store=False`` the replay's default (a directory in ``workdir``); with
+    ``through_training``, aborted once the train node succeeded (no export or evaluation): the step it
     resumes from (``latest``), the copy (``root``), the replay's output and summary and the train node's
     summary (``train``)."""
     prefix, root = root_copy(run)
     latest = drop_last_step(root)
-    store = ("--store", f"s3://{run.s3.bucket}/store-{workdir.name}") if s3_store else ()
+    options = ("--store", f"s3://{run.s3.bucket}/store-{workdir.name}") if s3_store else ()
+    options += ("--abort-after", TRAIN_NODE) if through_training else ()
     code, output, summary = run_replay(
         run.package, workdir, *topology, "parallelism=fsdp", f"max_steps={MAX_STEPS}",
-        f"config_overrides={CONFIG}", f"checkpoint_uri={root}", options=store, env=run.s3.env)
-    assert code == 0, output[-6000:]
+        f"config_overrides={CONFIG}", f"checkpoint_uri={root}", options=options, env=run.s3.env)
+    assert code == (3 if through_training else 0), output[-6000:]
     assert_no_secret(run.s3, workdir, prefix)
     return SimpleNamespace(latest=latest, root=root, output=output, summary=summary,
                            train=summary["node_outputs"][TRAIN_NODE]["o0"]["summary"])
@@ -209,10 +212,11 @@ def test_streamed_through_a_cache_a_quarter_of_the_dataset_it_trains_as_from_loc
     staged = float(re.search(r"\(([0-9.]+) MiB staged\)", line).group(1)) * 2**20
     cached = int(re.search(r"\((\d+) samples\)", line).group(1)) * 32 * 32  # digits: 1x32x32 uint8
     assert cached <= CACHE_BYTES and staged >= 4 * cached, line
-    root = tmp_path / "checkpoints"
+    root = tmp_path / "checkpoints"  # what is compared is the training: the execution stops after it
     code, output, _ = run_replay(two_pods.package, tmp_path / "run", *TWO_PODS, f"max_steps={MAX_STEPS}",
-                                 f"config_overrides={CONFIG}", f"checkpoint_uri={root}", env=two_pods.s3.env)
-    assert code == 0, output[-6000:]
+                                 f"config_overrides={CONFIG}", f"checkpoint_uri={root}", env=two_pods.s3.env,
+                                 options=("--abort-after", TRAIN_NODE))
+    assert code == 3, output[-6000:]
     assert "streaming s3://" not in "".join(p.read_text(errors="replace")
                                             for p in (tmp_path / "run" / "pods").glob("*/log*"))
     assert bitwise_equal(weights(Store(root), MAX_STEPS), two_pods.final)
@@ -313,7 +317,7 @@ def test_one_pod_of_two_processes_resumes_a_copy_of_the_root(two_pods, tmp_path)
 def test_one_pod_of_one_multithreaded_process_with_restarts_resumes_a_copy_of_the_root(two_pods, tmp_path):
     workdir = tmp_path / "one-process"
     run = resumed_execution(two_pods, workdir, "nnodes=1", "nproc_per_node=1", "max_restarts=1",
-                            s3_store=False)
+                            s3_store=False, through_training=True)
     assert resumed(run.train) == (run.latest, MAX_STEPS, 1)
     # A restart budget makes the task launch an elastic worker (one process without one trains in the
     # task's own process), and nothing sets that worker's threads: it runs at torch's default in the pod,
@@ -338,7 +342,7 @@ def published(s3, registry: str, model_dir: str, workdir: Path) -> str:
     return run.stdout.split(": published ")[1].split()[0]
 
 
-@LONG  # 8 nodes, a sub-workflow of the pipeline among them: about 120 s after the fixture's run
+@LONG
 def test_retraining_replays_on_two_pods_warm_started_from_the_registrys_latest(two_pods, tmp_path):
     s3, workdir = two_pods.s3, tmp_path / "retrain"
     registry = f"s3://{s3.bucket}/registry-{uuid.uuid4().hex[:8]}"

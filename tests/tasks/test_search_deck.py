@@ -34,7 +34,8 @@ def deck() -> str:
                     sizes=[4, 3, 2], params=[json.dumps(p) for p in PARAMS], parallel=2, space=SPACE,
                     recorded=[])
     rungs = [RungResult(rung=rung, budget=BUDGETS[rung], trials=list(values), values=list(values.values()),
-                        resumed_from=[BUDGETS[rung - 1] if rung else 0] * len(values))
+                        resumed_from=[BUDGETS[rung - 1] if rung else 0] * len(values),
+                        survivors=list(RUNGS[rung + 1]) if rung + 1 < len(RUNGS) else [3])
              for rung, values in enumerate(RUNGS)]
     result = EvalResult(split="test", accuracy=0.85, loss=0.4, count=180, classes=["a", "b"],
                         precision=[0.85, 0.85], recall=[0.85, 0.85], confusion=[[77, 13], [14, 76]])

@@ -50,7 +50,7 @@ def test_package_holds_every_task_workflow_and_launch_plan(package):
         "tasks.plan.plan_run", "tasks.stage.stage_dataset", "tasks.train.train-local-1x2",
         "tasks.export.export_model", "tasks.evaluate.evaluate_model", "tasks.promote.promotion_gate",
         "tasks.promote.warm_start_overrides", "tasks.tuning.plan_search", "tasks.tuning.rung_record",
-        "tasks.tuning.rung_survivors", "tasks.tuning.finish_search", "tasks.tuning.search_report",
+        "tasks.tuning.finish_search", "tasks.tuning.search_report",
         "workflows.tuning.run_rung",
         "workflows.pipeline.train_on_backend")}
     expected |= {"WorkflowSpec:workflows.pipeline.training_pipeline",

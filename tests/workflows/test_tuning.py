@@ -61,9 +61,10 @@ def test_a_search_spends_half_the_steps_resumes_its_promoted_trials_and_exports_
     assert rungs[2].resumed_from == [8] * 2  # promoted: continued from its own checkpoint, not step 0
     for rung, following in zip(rungs, rungs[1:], strict=False):  # the best half went on
         values = dict(zip(rung.trials, rung.values, strict=True))
-        assert following.trials == survivors(values, len(following.trials), "val_accuracy")
+        assert following.trials == rung.survivors == survivors(values, len(following.trials), "val_accuracy")
     last = dict(zip(rungs[2].trials, rungs[2].values, strict=True))
     assert out.search.best_trial == max(last, key=lambda trial: (last[trial], -trial))
+    assert rungs[2].survivors == [out.search.best_trial]
     # 8 x 4 + 4 x 4 + 2 x 8 steps: half of 8 trials x 16
     assert out.summary.startswith("steps spent: 64 of 128 (50% of training every trial to the end)")
     assert out.summary.endswith(f"test accuracy: {out.report.result.accuracy:.3f}")
