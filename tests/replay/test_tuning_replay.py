@@ -12,8 +12,8 @@ trials, two rungs of successive halving, each trial a training run on the chosen
 
 Either way the surviving trial goes on from its own rung-0 checkpoint, the best trial's model is exported
 with the search in its lineage and evaluated, and the record in the root holds both trials. Each trial is
-a train node of its rung's dynamic node: 13 nodes a search (the Kubernetes one's 16 pods split 7 and 11
-between its two executions).
+a train node of its rung's dynamic node: 13 nodes a search in one execution (on Kubernetes 16 pods; the
+aborted execution here starts 9 and the relaunch 12, the first rung's trials not among them).
 """
 
 from __future__ import annotations
