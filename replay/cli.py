@@ -17,8 +17,6 @@ import uuid
 from collections.abc import Iterator
 from pathlib import Path
 
-from flyteidl.core import literals_pb2
-
 from replay import literals
 from replay.graph import ExecutionAborted, NodeFailed, Replay
 from replay.package import PackageError, read_package
@@ -218,16 +216,16 @@ def replay_package(args: argparse.Namespace) -> dict:
                     reschedule_s=args.reschedule_after, workflows=package.workflows,
                     abort_after=args.abort_after)
     started = time.monotonic()
-    aborted, final = None, literals_pb2.LiteralMap()
+    aborted, final = None, {}
     try:
         outputs = replay.run_nodes(workflow.nodes, package.tasks, {literals.START_NODE: inputs})
-        final = literals.bind_inputs(workflow.outputs, outputs)
-    except ExecutionAborted as exc:
+        final = literals.bind_inputs(workflow.outputs, outputs).literals
+    except ExecutionAborted as exc:  # no workflow outputs: the summary keeps the nodes that ran
         aborted = str(exc)
     return {"execution": execution.name, "workdir": str(workdir), "fast": package.fast,
             "total_s": time.monotonic() - started, "aborted": aborted,
             "nodes": [vars(t) for t in replay.timings],
-            "outputs": {k: literals.to_python(v) for k, v in final.literals.items()},
+            "outputs": {k: literals.to_python(v) for k, v in final.items()},
             "node_outputs": {node: {k: literals.to_python(v) for k, v in out.literals.items()}
                              for node, out in replay.node_outputs.items()}}
 

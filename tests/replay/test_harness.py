@@ -6,6 +6,7 @@ import json
 import os
 import sys
 import time
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import msgpack
@@ -161,11 +162,14 @@ def integer(value: int) -> literals_pb2.Literal:
     return literals_pb2.Literal(scalar=literals_pb2.Scalar(primitive=primitive))
 
 
+@dataclass
 class Doubling(Replay):
     """Every task doubles its input x, without a pod: the binding is what is under test."""
 
+    ran: list[str] = field(default_factory=list)  # the task nodes run, in order
+
     def run_task(self, node_id, template, inputs):
-        self.ran = [*getattr(self, "ran", []), node_id]
+        self.ran.append(node_id)
         return literals_pb2.LiteralMap(literals={"o0": integer(2 * inputs.literals["x"].scalar.primitive
                                                                .integer)})
 
