@@ -31,13 +31,6 @@ TEST_WORKERS ?= 2
 test: install-dev
 	$(BIN)/python -m pytest -n $(TEST_WORKERS)
 
-# The replays of whole workflows whose every node is a pod of its own (a fresh interpreter: 8-12 s each on
-# 2 cores), too long for a test of `make test`: the hyperparameter search on Kubernetes and local backends,
-# scheduled retraining on two pods warm-started from the registry, the 2-pod jobs that lose and regain pods,
-# the 2-pod run on S3 and its resumes (tests marked `long`).
-test-long: install-dev
-	$(BIN)/python -m pytest -n $(TEST_WORKERS) -m long
-
 # Loader, checkpoint, sharded-state, per-step, start-up, preemption, validation, end-to-end and staging benchmarks
 # (about 20 minutes on 2 cores): writes bench/results/latest.json and latest.md (commit them); generated data and runs go to runs/bench.
 bench: install

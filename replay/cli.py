@@ -17,10 +17,12 @@ import uuid
 from collections.abc import Iterator
 from pathlib import Path
 
+from flyteidl.core import literals_pb2
+
 from replay import literals
 from replay.graph import ExecutionAborted, NodeFailed, Replay
 from replay.package import PackageError, read_package
-from replay.store import Execution, Store
+from replay.store import INPUTS, Execution, Store
 from traincore.exitcodes import INTERRUPTED_EXIT_CODE
 from traincore.files import path_argument
 
@@ -36,7 +38,8 @@ examples:
   pyflyte --pkgs workflows package --image IMG --copy all -o pkg.tgz   # fast registration
   python -m replay pkg.tgz --input max_steps=20 --input nproc_per_node=1
   python -m replay pkg.tgz --workdir /tmp/r --input backend=kubernetes --input nnodes=2 \\
-      --input nproc_per_node=1 --input max_steps=20
+      --input nproc_per_node=1 --input max_steps=20 --abort-after n2-0-dn0
+  python -m replay pkg.tgz --workdir /tmp/r2 --store /tmp/r/store --recover EXECUTION  # the rest of it
 """
 
 
@@ -135,8 +138,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--input", "-i", action="append", default=[], metavar="NAME=VALUE",
                         help="override a launch-plan input (int, float, str or bool inputs, or Optional of "
                         "one); repeatable, and the last value given for a NAME wins")
-    parser.add_argument("--launch-plan", default=DEFAULT_PLAN,
-                        help=f"launch plan to run (default: {DEFAULT_PLAN})")
+    parser.add_argument("--launch-plan",
+                        help=f"launch plan to run (default: {DEFAULT_PLAN}; with --recover, the one it ran)")
     parser.add_argument("--workdir", type=workdir_path,
                         help="where pods, logs and the store go (default: a new temporary directory)")
     parser.add_argument("--store", type=path_argument, help="object store root: a directory or "
@@ -157,6 +160,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                         help="stop the execution once node NODE (its id as the node wall times print it, "
                         "e.g. n3-0-dn2 inside a dynamic node) succeeded, as a user aborts one on a cluster; "
                         "the summary lists the nodes that ran, and the store keeps what they wrote")
+    parser.add_argument("--recover", metavar="EXECUTION",
+                        help="a new execution that reuses every node the execution EXECUTION (its name, as "
+                        "the replay printed it) of the same --store ran to success, and runs the others, on "
+                        "that execution's inputs and launch plan: Flyte's recover, e.g. after an abort or a "
+                        "failed node")
     parser.add_argument("--echo", action="store_true", help="stream every pod's output, prefixed by its name")
     parser.add_argument("--summary-json", type=summary_path,
                         help="write node wall times and outputs here as JSON")
@@ -174,7 +182,11 @@ def _overrides(pairs: list[str]) -> dict[str, str]:
     return out
 
 
-REFUSALS = (PackageError, literals.InputError)
+class NotRecoverable(Exception):
+    """--recover names no execution of the store, or asks for other inputs or another launch plan."""
+
+
+REFUSALS = (PackageError, literals.InputError, NotRecoverable)
 """What the replay reports as one ``error:`` line, exit 2: the package or an input is not usable."""
 
 
@@ -194,27 +206,60 @@ def refusable_workdir(given: Path | None, refusals: tuple[type[Exception], ...] 
         raise
 
 
+LAUNCH_RECORD = "launch.json"  # beside the execution's inputs.pb: the launch plan it ran
+
+
+def recovered_launch(args: argparse.Namespace, store: Store) -> tuple[str, literals_pb2.LiteralMap]:
+    """The launch plan and inputs of the execution --recover names, as this replay recorded them when it
+    ran there: Flyte's recover runs an execution's own inputs, so --input and another --launch-plan are
+    refused."""
+    earlier = store.execution_prefix(Execution(args.project, args.domain, args.recover, "", args.version))
+    if not store.exists(f"{earlier}/{LAUNCH_RECORD}"):
+        raise NotRecoverable(f"--recover {args.recover}: no execution of that name in {store.root}: give the "
+                             "name a replay printed (`execution f...`) and the --store it used (by default "
+                             "WORKDIR/store)")
+    plan = json.loads(store.read(f"{earlier}/{LAUNCH_RECORD}"))["launch_plan"]
+    if args.input:
+        raise NotRecoverable(f"--recover {args.recover} runs that execution's own inputs: drop --input "
+                             f"{' '.join(args.input)}, or launch a new execution without --recover")
+    if args.launch_plan not in (None, plan):
+        raise NotRecoverable(f"--recover {args.recover}: that execution ran launch plan {plan}, not "
+                             f"{args.launch_plan}: drop --launch-plan")
+    return plan, literals_pb2.LiteralMap.FromString(store.read(f"{earlier}/{INPUTS}"))
+
+
 def replay_package(args: argparse.Namespace) -> dict:
     """Replay the launch plan; returns the summary (node timings and decoded outputs)."""
     with refusable_workdir(args.workdir) as workdir:  # the inputs are checked against the launch plan
         package = read_package(args.package, workdir / "package")
-        plan = package.launch_plan(args.launch_plan)
+        store = Store(args.store or str(workdir / "store"))
+        if args.recover:
+            plan_name, inputs = recovered_launch(args, store)
+            plan = package.launch_plan(plan_name)
+        else:
+            plan = package.launch_plan(args.launch_plan or DEFAULT_PLAN)
+            inputs = literals.launch_inputs(plan, _overrides(args.input))
         workflow = package.workflows[plan.spec.workflow_id.name]
-        inputs = literals.launch_inputs(plan, _overrides(args.input))
     for template in package.tasks.values():  # what `flytectl register files` does to every entity
         template.id.project, template.id.domain, template.id.version = args.project, args.domain, args.version
-    store = Store(args.store or str(workdir / "store"))
     name = "f" + uuid.uuid4().hex[:19]  # Flyte's execution names: 20 characters, starting with a letter
     execution = Execution(args.project, args.domain, name, workflow.id.name, args.version)
+    recover = Execution(args.project, args.domain, args.recover, workflow.id.name, args.version) \
+        if args.recover else None
+    # What a recovery of this execution reads back: its inputs and launch plan, as propeller keeps them.
+    store.write(f"{store.execution_prefix(execution)}/{INPUTS}", inputs.SerializeToString())
+    store.write(f"{store.execution_prefix(execution)}/{LAUNCH_RECORD}",
+                json.dumps({"launch_plan": plan.id.name}).encode())
     code = None
     if package.fast:  # flytectl uploads the code tarball and writes its location into the task args
         code = store.join("fast", args.version, package.code_tarball.name)
         store.write(code, package.code_tarball.read_bytes())
+    recovering = f", recovering {recover.name}" if recover else ""
     print(f"replay: {args.package.name} ({'fast' if package.fast else 'non-fast'} registration), launch plan "
-          f"{plan.id.name}, execution {execution.name}, workdir {workdir}", flush=True)
+          f"{plan.id.name}, execution {execution.name}{recovering}, workdir {workdir}", flush=True)
     replay = Replay(store, execution, workdir, args.python_bin.resolve(), code, args.node_timeout, args.echo,
                     reschedule_s=args.reschedule_after, workflows=package.workflows,
-                    abort_after=args.abort_after)
+                    abort_after=args.abort_after, recover=recover)
     started = time.monotonic()
     aborted, final = None, {}
     try:
@@ -222,7 +267,8 @@ def replay_package(args: argparse.Namespace) -> dict:
         final = literals.bind_inputs(workflow.outputs, outputs).literals
     except ExecutionAborted as exc:  # no workflow outputs: the summary keeps the nodes that ran
         aborted = str(exc)
-    return {"execution": execution.name, "workdir": str(workdir), "fast": package.fast,
+    return {"execution": execution.name, "recovered_from": args.recover, "workdir": str(workdir),
+            "fast": package.fast,
             "total_s": time.monotonic() - started, "aborted": aborted,
             "nodes": [vars(t) for t in replay.timings],
             "outputs": {k: literals.to_python(v) for k, v in final.items()},

@@ -4,6 +4,7 @@ nodes (map tasks) as one pod per element."""
 
 from __future__ import annotations
 
+import itertools
 import json
 import time
 from dataclasses import dataclass, field, replace
@@ -37,6 +38,7 @@ class NodeTiming:
     wall_s: float
     pods: int
     writer: str = ""  # the pod that wrote outputs.pb (multi-pod jobs)
+    recovered_from: str = ""  # the execution whose outputs of this node were reused (no pod ran)
 
 
 @dataclass
@@ -53,6 +55,7 @@ class Replay:
     reschedule_s: float = 0.0  # until the operator's new pod for a lost one starts (restart policy OnFailure)
     attempt: int = 0  # FLYTE_ATTEMPT_NUMBER of every node run (a Flyte retry of one node: replay.retry)
     abort_after: str | None = None  # a node id (as in the timings): the execution stops once it succeeded
+    recover: Execution | None = None  # an earlier execution of this launch: its succeeded nodes are reused
     workflows: dict[str, workflow_pb2.WorkflowTemplate] = field(default_factory=dict)  # sub-workflows
     timings: list[NodeTiming] = field(default_factory=list)
     node_outputs: dict[str, literals_pb2.LiteralMap] = field(default_factory=dict)
@@ -105,6 +108,9 @@ class Replay:
         ``<output prefix>/<index>``; the node's outputs are the elements' outputs gathered into lists."""
         array = node.array_node
         template = tasks[array.node.task_node.reference_id.name]
+        recovered = self._recovered(node_id, template)
+        if recovered is not None:
+            return recovered
         inputs = literals.bind_inputs(node.inputs, outputs)
         mapped = [name for name, literal in inputs.literals.items()
                   if literal.HasField("collection") and name not in array.bound_inputs]
@@ -139,6 +145,9 @@ class Replay:
     def run_task(self, node_id: str, template: tasks_pb2.TaskTemplate,
                  inputs: literals_pb2.LiteralMap) -> literals_pb2.LiteralMap:
         """One task node: write inputs.pb, start its pod(s), read back outputs.pb (or expand futures.pb)."""
+        recovered = self._recovered(node_id, template)
+        if recovered is not None:
+            return recovered
         paths = self.store.node_paths(self.execution, node_id, self.attempt)
         self.store.write(paths.inputs, inputs.SerializeToString())
         args = render_args(template.container.args, paths, self.code_location)
@@ -160,6 +169,42 @@ class Replay:
             spec = dynamic_job_pb2.DynamicJobSpec.FromString(self.store.read(futures))
             return self._run_dynamic(node_id, spec, paths)
         return self._read_outputs(node_id, template, paths)
+
+    def _recovered(self, node_id: str, template: tasks_pb2.TaskTemplate) -> literals_pb2.LiteralMap | None:
+        """Flyte's recovery (``recover``): a node that succeeded in the earlier execution is not run again;
+        its inputs and outputs are copied to this execution's paths and the outputs, which name the earlier
+        execution's data, are used as they are. A dynamic node's spec (futures.pb) is copied and its nodes
+        recover one by one, so those that had not succeeded run now. None: the node runs."""
+        succeeded = self._succeeded_attempt(node_id) if self.recover else None
+        if succeeded is None:
+            return None
+        paths = self.store.node_paths(self.execution, node_id, self.attempt)
+        self.store.copy(succeeded.inputs, paths.inputs)
+        print(f"replay: node {node_id:<10} {template.id.name:<45} recovered from {self.recover.name}",
+              flush=True)
+        self.timings.append(NodeTiming(node_id, template.id.name, 0.0, 0, recovered_from=self.recover.name))
+        futures = f"{succeeded.output_prefix}/{FUTURES}"
+        if self.store.exists(futures):
+            self.store.copy(futures, f"{paths.output_prefix}/{FUTURES}")
+            spec = dynamic_job_pb2.DynamicJobSpec.FromString(self.store.read(futures))
+            return self._run_dynamic(node_id, spec, paths)
+        self.store.copy(f"{succeeded.output_prefix}/{OUTPUTS}", f"{paths.output_prefix}/{OUTPUTS}")
+        outputs = literals_pb2.LiteralMap.FromString(self.store.read(f"{paths.output_prefix}/{OUTPUTS}"))
+        self.node_outputs[node_id] = outputs
+        return outputs
+
+    def _succeeded_attempt(self, node_id: str) -> NodePaths | None:
+        """The earlier execution's attempt of ``node_id`` that succeeded (outputs.pb, or a dynamic node's
+        futures.pb, and no error.pb), after any that failed (a retried node); None if none did. A task without
+        outputs leaves nothing that tells, and runs again."""
+        for attempt in itertools.count():
+            paths = self.store.node_paths(self.recover, node_id, attempt)
+            failed = self.store.exists(f"{paths.output_prefix}/{ERROR}")
+            written = (self.store.exists(f"{paths.output_prefix}/{name}") for name in (FUTURES, OUTPUTS))
+            if not failed and any(written):
+                return paths
+            if not failed:
+                return None
 
     def _run(self, node_id: str, pods: list[PodSpec], recreate: bool = False,
              first_serves: str | None = None) -> list[PodResult]:

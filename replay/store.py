@@ -68,6 +68,10 @@ class Store:
         with self._fs.open(path, "rb") as f:
             return f.read()
 
+    def copy(self, source: str, target: str) -> None:
+        """One object to another key of the same store (a recovered node's inputs and outputs)."""
+        self.write(target, self.read(source))
+
     def exists(self, path: str) -> bool:
         return Path(path).exists() if self._fs is None else self._fs.exists(path)
 
@@ -76,10 +80,13 @@ class Store:
         shard = hashlib.sha1(key.encode()).hexdigest()[:2]  # propeller shards raw data by a short prefix
         return self.join("raw", shard, key)
 
+    def execution_prefix(self, execution: Execution) -> str:
+        """Where propeller keeps the execution's own metadata (its inputs) and every node's."""
+        return self.join("metadata", "propeller", f"{execution.project}-{execution.domain}-{execution.name}")
+
     def node_paths(self, execution: Execution, node_id: str, attempt: int = 0) -> NodePaths:
         """Propeller's layout for ``node_id`` (sub-nodes of a dynamic node carry their parent's prefix)."""
-        data = self.join("metadata", "propeller", f"{execution.project}-{execution.domain}-{execution.name}",
-                         node_id, "data")
+        data = f"{self.execution_prefix(execution)}/{node_id}/data"
         raw = self._raw_prefix(execution, node_id, attempt)
         previous = ""
         if attempt:  # the previous attempt's checkpoints, under that attempt's own raw prefix

@@ -19,7 +19,6 @@ from pathlib import Path
 import pytest
 
 TEST_BUDGET_S = 120.0
-LONG_TEST_BUDGET_S = 600.0  # a test marked `long` (`make test-long`, not `make test`)
 SUITE_GOAL_S = 20 * 60  # `make test` on the 2-core CI machine
 _spent: dict[str, float] = {}  # where the test runs: the verdict
 _reported: dict[str, float] = {}  # where the reports arrive (also a distributing controller): the summary
@@ -59,11 +58,10 @@ def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo):
     _spent[item.nodeid] = _spent.get(item.nodeid, 0.0) + report.duration
     if report.when == "teardown" and item.nodeid in _cpu_at_setup:
         report.user_properties.append(("cpu_s", round(_process_cpu() - _cpu_at_setup.pop(item.nodeid), 2)))
-    budget = LONG_TEST_BUDGET_S if item.get_closest_marker("long") else TEST_BUDGET_S
-    if report.when == "teardown" and _spent[item.nodeid] > budget and report.passed:
+    if report.when == "teardown" and _spent[item.nodeid] > TEST_BUDGET_S and report.passed:
         report.outcome = "failed"
         report.longrepr = (f"{item.nodeid} took {_spent[item.nodeid]:.0f} s (setup, call and teardown), over "
-                           f"the suite's budget of {budget:g} s a test: make it cheaper (a shared "
+                           f"the suite's budget of {TEST_BUDGET_S:g} s a test: make it cheaper (a shared "
                            "fixture, fewer steps, a run another test already makes) or split it")
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import io
+import json
 import shlex
 import subprocess
 import sys
@@ -108,6 +109,32 @@ def test_an_abort_after_a_node_that_never_ran_is_an_error_naming_it(package, tmp
     end, when the execution ran through without it."""
     assert cli.main([str(package), "--workdir", str(tmp_path / "w"), "--abort-after", "n9"]) == 2
     assert "replay: error: --abort-after n9: no node of that id ran" in capsys.readouterr().err
+
+
+def test_a_recovery_runs_the_execution_s_own_launch_and_refuses_other_inputs(package, tmp_path, capsys):
+    """--recover EXECUTION reads the launch plan and inputs that execution recorded in the store; other
+    inputs, another launch plan or a name the store does not hold are refused with one error line."""
+    workdir, first, again = tmp_path / "w", tmp_path / "first.json", tmp_path / "again.json"
+    argv = [str(package), "--workdir", str(workdir)]
+    assert cli.main([*argv, "--launch-plan", "scheduled", "--input", "nproc_per_node=3",
+                     "--summary-json", str(first)]) == 0
+    name = json.loads(first.read_text())["execution"]
+    assert cli.main([*argv, "--recover", name, "--summary-json", str(again)]) == 0
+    recovered = json.loads(again.read_text())
+    assert recovered["recovered_from"] == name and recovered["execution"] != name
+    said = capsys.readouterr().out
+    assert f"launch plan scheduled, execution {recovered['execution']}, recovering {name}" in said
+    propeller = workdir / "store" / "metadata" / "propeller"
+    inputs = {execution: (propeller / f"flytesnacks-development-{execution}" / "inputs.pb").read_bytes()
+              for execution in (name, recovered["execution"])}
+    assert inputs[name] == inputs[recovered["execution"]] and b"nproc_per_node" in inputs[name]
+    for extra, expected in ((["--input", "nproc_per_node=4"], "own inputs: drop --input"),
+                            (["--launch-plan", WORKFLOW], f"ran launch plan scheduled, not {WORKFLOW}"),
+                            (["--recover", "fnosuchexecution"], "no execution of that name in")):
+        recover = [] if "--recover" in extra else ["--recover", name]
+        assert cli.main([*argv, *recover, *extra]) == 2
+        (error,) = [line for line in capsys.readouterr().err.splitlines() if "error:" in line]
+        assert expected in error, error
 
 
 def test_a_summary_json_in_a_directory_yet_to_be_made_is_written_there(package, tmp_path):

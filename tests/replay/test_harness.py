@@ -6,7 +6,7 @@ import json
 import os
 import sys
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import msgpack
@@ -244,3 +244,60 @@ def test_an_array_node_runs_a_pod_per_element_and_gathers_their_outputs(tmp_path
     gathered = outputs["n0"].literals["o0"].collection.literals
     assert [literal.scalar.primitive.integer for literal in gathered] == [10, 20, 50]
     assert sorted(p.name for p in (tmp_path / "pods").iterdir()) == [f"fexec-n0-{i}-0" for i in range(3)]
+
+
+ADD_ONE = """
+import os, sys
+from flyteidl.core import literals_pb2
+inputs = literals_pb2.LiteralMap.FromString(open(sys.argv[1], "rb").read())
+x = inputs.literals["x"].scalar.primitive.integer
+value = literals_pb2.Literal(scalar=literals_pb2.Scalar(primitive=literals_pb2.Primitive(integer=x + 1)))
+os.makedirs(sys.argv[2], exist_ok=True)
+with open(os.path.join(sys.argv[2], "outputs.pb"), "wb") as out:
+    out.write(literals_pb2.LiteralMap(literals={"o0": value}).SerializeToString())
+with open(sys.argv[3], "a") as ran:
+    ran.write(sys.argv[2].split("/")[-3] + "\\n")
+"""
+
+
+def test_a_recovered_execution_reuses_what_succeeded_and_runs_the_rest(tmp_path):
+    """--recover: an execution aborted after n1 of n0 -> n1 -> n2, recovered as a new execution: n0 and n1
+    are not run again (their inputs and outputs copied to the new execution's paths), n2 runs on n1's
+    recovered output, and the workflow's result is the one an uninterrupted execution gives."""
+    ran = tmp_path / "ran.txt"
+    template = tasks_pb2.TaskTemplate(
+        id=identifier_pb2.Identifier(name="add_one"),
+        container=tasks_pb2.Container(args=[sys.executable, "-c", ADD_ONE, "{{.input}}", "{{.outputPrefix}}",
+                                            str(ran)]))
+    task = workflow_pb2.TaskNode(reference_id=template.id)
+    nodes = [workflow_pb2.Node(id="n0", task_node=task, inputs=[binding("x", "", "a")]),
+             workflow_pb2.Node(id="n1", task_node=task, inputs=[binding("x", "n0", "o0")]),
+             workflow_pb2.Node(id="n2", task_node=task, inputs=[binding("x", "n1", "o0")])]
+    store, start = Store(str(tmp_path / "store")), {"": literals_pb2.LiteralMap(literals={"a": integer(3)})}
+    first = Replay(store, EXECUTION, tmp_path, BIN, abort_after="n1")
+    with pytest.raises(ExecutionAborted):
+        first.run_nodes(nodes, {"add_one": template}, dict(start))
+    assert ran.read_text().split() == ["n0", "n1"]
+    again = Replay(store, replace(EXECUTION, name="fagain"), tmp_path, BIN, recover=EXECUTION)
+    outputs = again.run_nodes(nodes, {"add_one": template}, dict(start))
+    assert ran.read_text().split() == ["n0", "n1", "n2"]  # only n2 ran again
+    assert outputs["n2"].literals["o0"].scalar.primitive.integer == 6  # 3 -> 4 -> 5 -> 6
+    assert [(t.node_id, t.pods, t.recovered_from) for t in again.timings] == [
+        ("n0", 0, "fexec"), ("n1", 0, "fexec"), ("n2", 1, "")]
+    recovered = store.node_paths(again.execution, "n1")
+    assert store.read(f"{recovered.output_prefix}/outputs.pb") == outputs["n1"].SerializeToString()
+    assert store.exists(recovered.inputs)
+
+
+def test_recovery_takes_the_attempt_that_succeeded_and_runs_a_node_that_only_failed(tmp_path):
+    """A node retried after a failed attempt recovers from the attempt that succeeded; a node whose only
+    attempt failed (error.pb), or that left nothing (its pods were stopped), is run again."""
+    store = Store(str(tmp_path))
+    for node_id, attempt, name in (("retried", 0, "error.pb"), ("retried", 1, "outputs.pb"),
+                                   ("failed", 0, "error.pb"), ("dynamic", 0, "futures.pb")):
+        store.write(f"{store.node_paths(EXECUTION, node_id, attempt).output_prefix}/{name}", b"")
+    replay = Replay(store, replace(EXECUTION, name="fagain"), tmp_path, BIN, recover=EXECUTION)
+    found = {node: replay._succeeded_attempt(node) for node in ("retried", "failed", "dynamic", "stopped")}
+    assert found["retried"] == store.node_paths(EXECUTION, "retried", 1)
+    assert found["dynamic"] == store.node_paths(EXECUTION, "dynamic", 0)
+    assert found["failed"] is None and found["stopped"] is None

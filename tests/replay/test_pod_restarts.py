@@ -3,10 +3,13 @@
 A reference replay of the non-fast registration (code baked into the image; backend=kubernetes, nnodes=2,
 nproc_per_node=1, max_restarts=1, parallelism=fsdp, the digits preset's config with dcp checkpoints in an
 object store, a local S3 server, as on a cluster: every rank writes its own shards straight into the
-store; deterministic CPU/gloo training) runs the whole workflow once, uninterrupted. It is also the
-replay of that registration end to end: what is registered is what runs (the pods ran the PyTorchJob
-manifest's args, one world across both pods, only global rank 0's pod kept its outputs), the model was
-sharded across the pods, and the pipeline reaches the digits preset's accuracy. Its train pods' pod.json
+store; deterministic CPU/gloo training) runs the whole workflow once, uninterrupted, as three
+executions that each take up where the one before was aborted (``replay --abort-after`` once the dataset
+is staged, then once the train node succeeded; ``replay --recover``, Flyte's recover, reuses what
+succeeded): no node runs twice. It is also the replay of that registration end to end: what is
+registered is what runs (the pods ran the PyTorchJob manifest's args, one world across both pods, only
+global rank 0's pod kept its outputs), the model was sharded across the pods, and the pipeline reaches
+the digits preset's accuracy. Its train pods' pod.json
 files are what the training operator created. Then the train node runs again from the same inputs.pb and
 an emptied checkpoint root, twice, its pods started from those pod.json files (replay.retry.start_pod)
 with only a new rendezvous port, as a new job's Service would have:
@@ -25,12 +28,10 @@ weights as the uninterrupted run: a rank's computation depends only on its rank,
 (model, optimizer, schedule, loader position, RNG) and the fixed config, not on which process holds it,
 and a 2-rank allreduce sums a + b, which IEEE addition gives bitwise whichever order the ranks land in.
 
-All of it runs with ``make test-long`` (marked ``long``): the six-node reference replay takes about 60 s
-alone on 2 cores and 107-128 s beside the suite's other worker (123-128 s on the CI machine), past a test's
-120 s in ``make test``. What ``make test`` keeps of these paths in one process or on loopback: an evicted
-attempt that saves its step and the retry that resumes it (tests/faults/test_flyte_retry.py), torch
-elastic's restarts of killed workers (tests/faults/test_restarts.py), the specs a cluster receives
-(tests/tasks/test_serialization.py) and the harness itself (tests/replay/test_workflow_replay.py).
+The runs are cut at node boundaries so that each test stays well within the suite's 120 s a test: the
+first test pays for the reference run's staging and train node, the non-fast test for its recovery to the
+end (export and evaluation), the eviction and its Flyte retry are two tests, and the node-range job's
+export and evaluation are its execution's recovery, in a test of their own.
 """
 
 from __future__ import annotations
@@ -55,8 +56,6 @@ from replay.retry import kill_pod, start_pod
 from traincore.checkpoint import Store, complete_steps, read_marker, step_store
 from traincore.checkpoint.format import read_checkpoint
 from traincore.telemetry.records import attempt_records
-
-pytestmark = pytest.mark.long
 
 # The digits preset (the workflow's default) passes 0.8 test accuracy in 80 steps, 10-30 s of training on
 # 2 cores; the faults come after the first checkpoint.
@@ -96,30 +95,36 @@ def assert_shards_per_rank(root: Store) -> None:
 
 @pytest.fixture(scope="module")
 def job(non_fast_package, tmp_path_factory, s3_server):
-    """The uninterrupted reference replay: its pods, store, checkpoint root, final weights, rank 0's
-    metrics.jsonl (text) and the job's manifest (parsed). The store's settings are in this process's
-    environment for the module, as a platform injects them into every pod (the pods started here from
-    pod.json read them from there)."""
+    """The uninterrupted reference replay, in two executions: staged (aborted once the dataset is staged),
+    then recovered and aborted once the train node succeeded. Its pods, store, checkpoint root, final
+    weights, rank 0's metrics.jsonl (text) and the job's manifest (parsed). The store's settings are in this
+    process's environment for the module, as a platform injects them into every pod (the pods started here
+    from pod.json read them from there)."""
     base = tmp_path_factory.mktemp("pod-restarts")
-    workdir = base / "run"
+    workdir, store = base / "run", base / "staged" / "store"
     root = Store(f"s3://{s3_server.bucket}/pod-restarts-{uuid.uuid4().hex[:8]}", s3_server.storage_options)
     with pytest.MonkeyPatch.context() as patch:
         for name, value in s3_server.env.items():
             patch.setenv(name, value)
-        code, output, summary = run_replay(non_fast_package, workdir, *INPUTS, f"checkpoint_uri={root}")
-        assert code == 0, output[-6000:]
+        code, output, staged = run_replay(non_fast_package, base / "staged", *INPUTS,
+                                          f"checkpoint_uri={root}", options=("--abort-after", "n1"))
+        assert code == 3, output[-6000:]
+        code, output, summary = run_replay(non_fast_package, workdir, options=(
+            "--recover", staged["execution"], "--store", str(store), "--abort-after", TRAIN_NODE))
+        assert code == 3, output[-6000:]
+        assert [node["node_id"] for node in summary["nodes"] if node["recovered_from"]] == ["n0", "n1"]
         train = summary["node_outputs"][TRAIN_NODE]["o0"]["summary"]
         assert (train["steps"], train["world_size"], train["resumed_from"]) == (MAX_STEPS, 2, None)
         pods = sorted(workdir.glob(f"pods/{summary['execution']}-{TRAIN_NODE}-0-worker-*"))
         assert len(pods) == 2
         assert_shards_per_rank(root)
         reference = final_weights(root)
-        output_dir = Path(summary["workdir"]) / "store" / "metadata" / "propeller"
-        (outputs_pb,) = output_dir.glob(f"*/{TRAIN_NODE}/data/0/outputs.pb")
+        (outputs_pb,) = (store / "metadata" / "propeller").glob(
+            f"*{summary['execution']}/{TRAIN_NODE}/data/0/outputs.pb")
         # What this run alone left: the pods restarted below add run directories and the retry a manifest.
         (metrics,) = workdir.glob("**/run/metrics.jsonl")
         (manifest,) = (workdir / "jobs").glob("*.json")
-        yield SimpleNamespace(package=non_fast_package, workdir=workdir, root=root, pods=pods,
+        yield SimpleNamespace(package=non_fast_package, workdir=workdir, store=store, root=root, pods=pods,
                               summary=summary, reference=reference, outputs_pb=outputs_pb, base=base,
                               s3=s3_server, metrics=metrics.read_text(),
                               manifest=json.loads(manifest.read_text()))
@@ -133,10 +138,15 @@ def test_the_uninterrupted_two_pod_job_is_the_reference(job):
     assert set(job.reference) and len(job.pods) == 2
 
 
-def test_non_fast_registration_two_pod_pytorch_job(job):
-    """The reference run is the non-fast registration replayed whole: its train node is a PyTorchJob of two
-    worker pods that form one world, shard the model between them (FSDP) and train the pipeline to the
-    digits preset's accuracy."""
+def test_non_fast_registration_two_pod_pytorch_job(job, tmp_path):
+    """The reference run is the non-fast registration replayed whole (recovered to its end: the export and
+    the evaluation): its train node is a PyTorchJob of two worker pods that form one world, shard the model
+    between them (FSDP) and train the pipeline to the digits preset's accuracy."""
+    code, output, finished = run_replay(job.package, tmp_path / "finished", options=(
+        "--recover", job.summary["execution"], "--store", str(job.store)))
+    assert code == 0, output[-6000:]
+    assert [node["node_id"] for node in finished["nodes"] if node["pods"]] == ["n3", "n4"]
+    assert finished["outputs"]["report"]["result"]["accuracy"] >= 0.8, finished["outputs"]["report"]
     (node,) = [n for n in job.summary["nodes"] if n["node_id"] == TRAIN_NODE]
     assert node["task"].endswith("2x1-restarts1") and node["pods"] == 2  # a PyTorchJob of two worker pods
     world = job.summary["node_outputs"][TRAIN_NODE]["o0"]["summary"]["world_size"]
@@ -144,7 +154,6 @@ def test_non_fast_registration_two_pod_pytorch_job(job):
     # The model was sharded across the pods: each held half of its parameters (the telemetry record).
     memory = next(json.loads(line) for line in job.metrics.splitlines() if '"memory"' in line)
     assert memory["param_bytes_per_rank"] < 0.6 * memory["param_bytes_total"], memory
-    assert job.summary["outputs"]["report"]["result"]["accuracy"] >= 0.8, job.summary["outputs"]["report"]
     assert [p.name.rsplit("-", 2)[1:] for p in job.pods] == [["worker", "0"], ["worker", "1"]]
     # Only the pod holding global rank 0 (the one that printed rank 0's summary) kept its outputs.
     logs = {p.name: (p / "log.txt").read_text() for p in job.pods}
@@ -249,10 +258,10 @@ def test_operator_restart_of_a_killed_pod_resumes_bitwise(job):
     assert_reference_weights(job)
 
 
-def test_evicted_pods_save_their_step_and_the_flyte_retry_resumes_from_it_bitwise(job):
+@pytest.fixture(scope="module")
+def evicted(job) -> SimpleNamespace:
     """Both pods evicted (SIGTERM to each pod's first process, as the kubelet sends it, e.g. on a spot
-    reclaim): the workers agree on a step, save it, and the attempt fails as RECOVERABLE naming it; Flyte's
-    retry (attempt 1, a new job with new pods) resumes from exactly that step."""
+    reclaim) after the first checkpoint: their exit codes, logs and how long they took to go."""
     env = fresh_run(job)
     processes = start_job(job, env, "log-attempt-0.txt")
     try:
@@ -266,13 +275,19 @@ def test_evicted_pods_save_their_step_and_the_flyte_retry_resumes_from_it_bitwis
         for process in processes:
             kill_pod(process)
     logs = "".join((pod / "log-attempt-0.txt").read_text(errors="replace") for pod in job.pods)
-    assert codes == [0, 0], logs[-6000:]  # flytekit reports the task's error in error.pb and exits 0
+    return SimpleNamespace(codes=codes, logs=logs, took=took)
+
+
+def test_evicted_pods_agree_on_a_step_save_it_and_fail_as_recoverable(job, evicted):
+    """The workers agree on a step and save it, and the attempt fails as RECOVERABLE naming it; its records
+    reach the store."""
+    assert evicted.codes == [0, 0], evicted.logs[-6000:]  # flytekit reports the task's error in error.pb
     error = errors_pb2.ErrorDocument.FromString((job.outputs_pb.parent / "error.pb").read_bytes()).error
     latest = complete_steps(job.root)[-1]
     assert errors_pb2.ContainerError.Kind.Name(error.kind) == "RECOVERABLE", error.message
     assert f"preempted at step {latest} by SIGTERM: checkpoint step-{latest} saved" in error.message
     assert latest < MAX_STEPS
-    print(f"evicted pods saved step {latest} and exited in {took:.1f} s")
+    print(f"evicted pods saved step {latest} and exited in {evicted.took:.1f} s")
     # The evicted attempt's records are in the store: metrics to the step it saved, TensorBoard events that
     # TensorBoard's own reader reads there, and the end of each rank's stderr.
     records = attempt_records(job.root, 0)
@@ -281,9 +296,15 @@ def test_evicted_pods_save_their_step_and_the_flyte_retry_resumes_from_it_bitwis
     (events,) = {name.rsplit("/", 1)[0] for name in records.files() if name.startswith("tensorboard/")}
     assert tensorboard_steps(job.s3, records.uri_of(events), "train/loss")[-1] >= latest - 10
     assert {"stderr/rank-0.log", "stderr/rank-1.log"} <= set(records.files())
+
+
+def test_the_flyte_retry_of_the_evicted_attempt_resumes_from_its_step_bitwise(job, evicted):
+    """Flyte's retry (attempt 1, a new job with new pods) resumes from exactly the step the evicted pods
+    saved, and ends with the uninterrupted run's weights."""
+    latest = complete_steps(job.root)[-1]
     (job.outputs_pb.parent / "error.pb").unlink()
     code, output, retry = run_replay(job.package, job.workdir, module="replay.retry", options=(
-        "--store", str(job.workdir / "store"), "--execution", job.summary["execution"], "--node", TRAIN_NODE))
+        "--store", str(job.store), "--execution", job.summary["execution"], "--node", TRAIN_NODE))
     assert code == 0, output[-6000:]
     summary = retry["outputs"]["o0"]["summary"]
     assert (summary["resumed_from"], summary["steps"], summary["world_size"]) == (latest, MAX_STEPS, 2)
@@ -314,18 +335,40 @@ def _pod_session(pod_dir: Path) -> int | None:
     return None
 
 
-def test_a_node_range_job_goes_on_without_a_lost_pod_and_takes_its_new_one_back(non_fast_package,
-                                                                                 tmp_path, s3_server):
-    """nnodes=1:2 on the Kubernetes backend: worker-1's pod is SIGKILLed after the first checkpoint (its
-    node lost). Worker-0 trains on alone, the operator's new worker-1 (restart policy OnFailure) starts 25 s
-    later, as if waiting to be scheduled, and joins at the next restart of the workers; the workflow ends
-    without a Flyte retry, its summary counting two membership changes."""
-    workdir, root = tmp_path / "run", f"s3://{s3_server.bucket}/elastic-{uuid.uuid4().hex[:8]}"
-    config = json.dumps({"telemetry": {"log_every": 1, "records_every_s": 2},
-                         "checkpoint": {"every": EVERY, "mode": "dcp"}})
-    inputs = ("backend=kubernetes", "nnodes=1:2", "nproc_per_node=1", "max_restarts=2",
-              f"max_steps={ELASTIC_STEPS}", f"config_overrides={config}", f"checkpoint_uri={root}")
-    store = Store(root, s3_server.storage_options)
+ELASTIC_CONFIG = json.dumps({"telemetry": {"log_every": 1, "records_every_s": 2},
+                             "checkpoint": {"every": EVERY, "mode": "dcp"}})
+ELASTIC_INPUTS = ("backend=kubernetes", "nnodes=1:2", "nproc_per_node=1", "max_restarts=2",
+                  f"max_steps={ELASTIC_STEPS}", f"config_overrides={ELASTIC_CONFIG}")
+
+
+@pytest.fixture(scope="module")
+def node_range_staged(non_fast_package, tmp_path_factory, s3_server) -> SimpleNamespace:
+    """nnodes=1:2 on the Kubernetes backend, aborted once its dataset is staged: the replay's output and
+    summary, its store and its checkpoint root."""
+    base = tmp_path_factory.mktemp("node-range")
+    root = f"s3://{s3_server.bucket}/elastic-{uuid.uuid4().hex[:8]}"
+    code, output, summary = run_replay(non_fast_package, base / "staged", *ELASTIC_INPUTS,
+                                       f"checkpoint_uri={root}", options=("--abort-after", "n1"),
+                                       env=s3_server.env)
+    return SimpleNamespace(package=non_fast_package, base=base, store=base / "staged" / "store", root=root,
+                           s3=s3_server, code=code, output=output, summary=summary)
+
+
+def test_a_node_range_launch_plans_an_elastic_job_of_one_to_two_pods(node_range_staged):
+    assert node_range_staged.code == 3, node_range_staged.output[-6000:]
+    topology = node_range_staged.summary["node_outputs"]["n0"]["topology"]
+    assert (topology["min_nnodes"], topology["nnodes"], topology["max_restarts"]) == (1, 2, 2), topology
+    assert node_range_staged.summary["node_outputs"]["n1"]["o0"]["counts"]["train"] > 0
+
+
+@pytest.fixture(scope="module")
+def node_range(node_range_staged) -> SimpleNamespace:
+    """The staged node-range job recovered, and aborted once its train node succeeded: worker-1's pod is
+    SIGKILLed after the first checkpoint (its node lost), and the operator's new worker-1 (restart policy
+    OnFailure) starts 25 s later, as if waiting to be scheduled. The steps at which it was lost, and the
+    replay's output and summary."""
+    staged, workdir = node_range_staged, node_range_staged.base / "run"
+    store = Store(staged.root, staged.s3.storage_options)
     killed: list[int] = []
 
     def lose_worker_1() -> None:
@@ -340,13 +383,23 @@ def test_a_node_range_job_goes_on_without_a_lost_pod_and_takes_its_new_one_back(
 
     killer = threading.Thread(target=lose_worker_1, daemon=True)
     with pytest.MonkeyPatch.context() as patch:
-        for name, value in s3_server.env.items():
+        for name, value in staged.s3.env.items():
             patch.setenv(name, value)
         killer.start()
-        code, output, summary = run_replay(non_fast_package, workdir, *inputs,
-                                           options=("--reschedule-after", "25"))
+        code, output, summary = run_replay(staged.package, workdir, options=(
+            "--recover", staged.summary["execution"], "--store", str(staged.store),
+            "--reschedule-after", "25", "--abort-after", TRAIN_NODE))
         killer.join()
-    assert code == 0 and killed, output[-6000:]
+    return SimpleNamespace(**{**vars(staged), "workdir": workdir, "code": code, "output": output,
+                              "summary": summary, "killed": killed})
+
+
+def test_a_node_range_job_goes_on_without_a_lost_pod_and_takes_its_new_one_back(node_range):
+    """Worker-0 trains on alone after worker-1's pod is lost, and the new worker-1 joins at the next restart
+    of the workers; the train node ends without a Flyte retry, its summary counting two membership
+    changes."""
+    workdir, summary = node_range.workdir, node_range.summary
+    assert node_range.code == 3 and node_range.killed, node_range.output[-6000:]
     (node,) = [n for n in summary["nodes"] if n["node_id"] == TRAIN_NODE]
     assert node["task"].endswith("1to2x1-restarts2") and node["pods"] == 2  # attempt 0: no Flyte retry
     manifest = json.loads(next((workdir / "jobs").glob("*.json")).read_text())
@@ -356,4 +409,13 @@ def test_a_node_range_job_goes_on_without_a_lost_pod_and_takes_its_new_one_back(
     assert (train["steps"], train["world_size"], train["membership_changes"]) == (ELASTIC_STEPS, 2, 2), train
     assert 0 < train["seconds_lost"] < 120 and train["steps_redone"] >= 0
     assert sorted(workdir.glob(f"pods/*-{TRAIN_NODE}-0-worker-1/log-lost-0.txt"))  # the lost pod's log
-    assert summary["outputs"]["report"]["result"]["accuracy"] >= 0.8
+
+
+def test_the_node_range_job_recovered_to_its_end_reaches_the_presets_accuracy(node_range, tmp_path):
+    """The model that the job of changing membership trained, exported and evaluated by the execution's
+    recovery (Flyte's recover: its nodes that succeeded are not run again)."""
+    code, output, finished = run_replay(node_range.package, tmp_path / "finished", options=(
+        "--recover", node_range.summary["execution"], "--store", str(node_range.store)))
+    assert code == 0, output[-6000:]
+    assert [node["node_id"] for node in finished["nodes"] if node["pods"]] == ["n3", "n4"]
+    assert finished["outputs"]["report"]["result"]["accuracy"] >= 0.8

@@ -1,11 +1,14 @@
 """The replayed workflow on a real S3 API (a local moto server): store, raw data and checkpoints on s3://.
 
 A 2-pod PyTorchJob (backend=kubernetes, nnodes=2, parallelism=fsdp, async checkpoints, max_restarts=1),
-run once for the module (the ``two_pods`` fixture): the fast registration's code tarball, every node's
-inputs/outputs, the staged dataset, the checkpoints (every rank writes its own shards straight into the
-store; rank 0 commits each step with its marker), the exported model and the evaluation all go through
-s3:// URIs on the server; the pods reach it only through the FLYTE_AWS_* settings a platform injects. The
-fixture keeps an untouched copy of its checkpoint root in the bucket. Then each test resumes a root of that
+run once for the module, in three executions that each take up where the one before was aborted: staged
+(``staged``), recovered and aborted once the train node succeeded (``two_pods``), recovered to its end
+(``finished``; ``replay --recover`` is Flyte's recover: what succeeded is not run again). The fast
+registration's code tarball, every node's inputs/outputs, the staged dataset, the checkpoints (every rank
+writes its own shards straight into the store; rank 0 commits each step with its marker), the exported
+model and the evaluation all go through s3:// URIs on the server; the pods reach it only through the
+FLYTE_AWS_* settings a platform injects. ``two_pods`` keeps an untouched copy of its checkpoint root in
+the bucket. Then each test resumes a root of that
 run from a step before the end (its last step dropped, as if the attempt died before committing it):
 
 - Flyte's retry of the train node (attempt 1, new pods, same inputs.pb, so the run's own root, first put
@@ -26,13 +29,12 @@ run from a step before the end (its last step dropped, as if the attempt died be
   warm-started from the registry's latest version, which is the run's exported model, published to a
   registry in the bucket as an operator does by hand; the model it trains is published after it.
 
-The tests of the 2-pod run are marked `long` (`make test-long`): the fixture's run and the retraining take
-70-100 s each beside the suite's other worker on a fast day (2026-11-29), and about twice that on the
-slower days, past a `make test` test's 120 s.
+Each of those executions, and the retraining's two (its train node, then its recovery to the promotion),
+is paid for by the first test that asks for it, so that no test comes near the suite's 120 s a test.
 
-The tests share only the fixture's run; each leaves the others' roots and work directories alone, so any
-one of them runs alone (the first one to run pays for the fixture). Under pytest-xdist the file is one
-scope, run whole by one worker (tests/scopes.py), so the 2-pod run happens once.
+The tests share only those executions; each leaves the others' roots and work directories alone, so any
+one of them runs alone (the first one to run pays for the executions it needs). Under pytest-xdist the
+file is one scope, run whole by one worker (tests/scopes.py), so the 2-pod run happens once.
 """
 
 from __future__ import annotations
@@ -57,7 +59,6 @@ from traincore.checkpoint.prune import remove_step
 from traincore.data import MANIFEST, Manifest
 
 pytestmark = pytest.mark.slow
-LONG = pytest.mark.long
 
 MAX_STEPS, EVERY = 20, 10
 TRAIN_NODE = "n2-0-dn0"  # the train task inside the @dynamic train_on_backend node
@@ -149,23 +150,54 @@ def resumed_execution(run: SimpleNamespace, workdir: Path, *topology: str, s3_st
                            train=summary["node_outputs"][TRAIN_NODE]["o0"]["summary"])
 
 
+def recovery(run: SimpleNamespace, workdir: Path, execution: str, *options: str) -> tuple[int, str, dict]:
+    """A new execution recovering ``execution`` of the run's store (Flyte's recover: its own inputs, what
+    succeeded reused); exit 3 when ``options`` abort it after a node, else 0."""
+    code, output, summary = run_replay(run.package, workdir, env=run.s3.env,
+                                       options=("--recover", execution, "--store", run.store, *options))
+    assert code == (3 if "--abort-after" in options else 0), output[-6000:]
+    return code, output, summary
+
+
+def recovered_nodes(summary: dict) -> list[str]:
+    """The nodes an execution recovered (no pod ran), in order."""
+    return [node["node_id"] for node in summary["nodes"] if node["recovered_from"]]
+
+
 @pytest.fixture(scope="module")
-def two_pods(fast_package, s3_server, tmp_path_factory) -> SimpleNamespace:
-    """The 2-pod run into the bucket, uninterrupted, and an untouched copy of its checkpoint root (key
-    prefix ``pristine``): the tests resume copies of it, the retry the root itself."""
-    s3, workdir = s3_server, tmp_path_factory.mktemp("s3-replay") / "run"
+def staged(fast_package, s3_server, tmp_path_factory) -> SimpleNamespace:
+    """The 2-pod run into the bucket, aborted once its dataset is staged (the stage node's map task)."""
+    s3, workdir = s3_server, tmp_path_factory.mktemp("s3-replay") / "staged"
     ckpt = f"checkpoints/run-{uuid.uuid4().hex[:8]}"
-    root = bucket_store(s3, ckpt)
-    store = f"s3://{s3.bucket}/store"
+    root, store = bucket_store(s3, ckpt), f"s3://{s3.bucket}/store"
     code, output, summary = run_replay(
         fast_package, workdir, *TWO_PODS, f"max_steps={MAX_STEPS}", f"config_overrides={CONFIG}",
-        f"checkpoint_uri={root}", "stage_partitions=2", options=("--store", store), env=s3.env)
-    assert code == 0, output[-6000:]
-    pristine = f"checkpoints/pristine-{uuid.uuid4().hex[:8]}"
-    copy_objects(s3, ckpt, pristine)
+        f"checkpoint_uri={root}", "stage_partitions=2", options=("--store", store, "--abort-after", "n1"),
+        env=s3.env)
+    assert code == 3, output[-6000:]
     return SimpleNamespace(package=fast_package, s3=s3, store=store, workdir=workdir, summary=summary,
-                           ckpt=ckpt, root=root, pristine=pristine,
-                           final=weights(bucket_store(s3, pristine), MAX_STEPS))
+                           ckpt=ckpt, root=root)
+
+
+@pytest.fixture(scope="module")
+def two_pods(staged) -> SimpleNamespace:
+    """The staged run recovered, and aborted once its 2-pod train node succeeded, uninterrupted; an
+    untouched copy of its checkpoint root (key prefix ``pristine``): the tests resume copies of it, the
+    retry the root itself."""
+    workdir = staged.workdir.parent / "trained"
+    _, _, summary = recovery(staged, workdir, staged.summary["execution"], "--abort-after", TRAIN_NODE)
+    pristine = f"checkpoints/pristine-{uuid.uuid4().hex[:8]}"
+    copy_objects(staged.s3, staged.ckpt, pristine)
+    return SimpleNamespace(**{**vars(staged), "workdir": workdir, "summary": summary, "pristine": pristine,
+                              "final": weights(bucket_store(staged.s3, pristine), MAX_STEPS)})
+
+
+@pytest.fixture(scope="module")
+def finished(two_pods) -> SimpleNamespace:
+    """The trained run recovered to its end: the export and the evaluation."""
+    workdir = two_pods.workdir.parent / "finished"
+    _, output, summary = recovery(two_pods, workdir, two_pods.summary["execution"])
+    return SimpleNamespace(**{**vars(two_pods), "workdir": workdir, "summary": summary, "output": output})
 
 
 def test_the_fast_registration_ships_the_code_the_pods_run(fast_package):
@@ -182,16 +214,15 @@ def test_the_fast_registration_ships_the_code_the_pods_run(fast_package):
     assert {"tasks/train.py", "examples/teamnet/models.py"} <= files, sorted(files)[:20]
 
 
-@LONG
-def test_the_dataset_is_staged_by_a_map_task_of_two_pods_into_the_bucket(two_pods):
+def test_the_dataset_is_staged_by_a_map_task_of_two_pods_into_the_bucket(staged):
     """stage_partitions=2: the stage node's map task runs one pod per partition, each uploading its shards
     to one location in the bucket, and the manifest written after them lists every shard in order; the
     train pods read the data from there (an s3:// dataset is streamed, never copied whole)."""
-    mapped = [node for node in two_pods.summary["nodes"] if "map_stage_partition_task" in node["task"]]
+    mapped = [node for node in staged.summary["nodes"] if "map_stage_partition_task" in node["task"]]
     assert [(node["node_id"], node["pods"]) for node in mapped] == [("n1-0-dn0", 2)]
-    location = two_pods.summary["node_outputs"]["n1"]["o0"]["directory"]["path"]
-    assert location.startswith(f"s3://{two_pods.s3.bucket}/")
-    staged = Store(location, two_pods.s3.storage_options)
+    location = staged.summary["node_outputs"]["n1"]["o0"]["directory"]["path"]
+    assert location.startswith(f"s3://{staged.s3.bucket}/")
+    staged = Store(location, staged.s3.storage_options)
     manifest = Manifest.from_bytes(staged.read_bytes(MANIFEST), location)
     train = manifest.splits["train"]
     assert [shard.images for shard in train.shards] == [f"train-0000{i}.u8" for i in range(3)]
@@ -199,7 +230,49 @@ def test_the_dataset_is_staged_by_a_map_task_of_two_pods_into_the_bucket(two_pod
     assert all(staged.is_file(shard.images) for info in manifest.splits.values() for shard in info.shards)
 
 
-@LONG
+def test_two_pods_checkpoint_into_s3_every_rank_its_own_shards(two_pods):
+    s3, summary = two_pods.s3, two_pods.summary
+    # The staging (its map task and the manifest's publication), recovered from the staged execution.
+    assert recovered_nodes(summary) == ["n0", "n1", "n1-0-dn0", "n1-0-dn1"]
+    train = summary["node_outputs"][TRAIN_NODE]["o0"]
+    assert resumed(train["summary"]) == (None, MAX_STEPS, 2)
+    assert train["checkpoints"]["path"].startswith(two_pods.root.uri)
+    # The root as the run left it (the retry test resumes in the root itself).
+    root = bucket_store(s3, two_pods.pristine)
+    steps = complete_steps(root)
+    assert steps[-1] == MAX_STEPS and set(steps) <= set(range(EVERY, MAX_STEPS + 1, EVERY)), steps
+    for step in steps:  # one shard file per rank, written by that rank, and a marker listing them
+        files = read_marker(step_store(root, step))["files"]
+        shards = {name: entry["rank"] for name, entry in files.items() if name.endswith(".distcp")}
+        assert shards == {"__0_0.distcp": 0, "__1_0.distcp": 1}, files
+        assert read_marker(step_store(root, step))["mode"] == "async"
+    pods = sorted(two_pods.workdir.glob(f"pods/{summary['execution']}-{TRAIN_NODE}-0-worker-*"))
+    assert len(pods) == 2 and SECRET_NAME in json.loads((pods[0] / "pod.json").read_text())["platform_env"]
+    assert_no_secret(s3, two_pods.workdir, two_pods.pristine)
+
+
+def test_every_artifact_of_the_run_recovered_to_its_end_lives_in_the_bucket(finished):
+    s3, summary = finished.s3, finished.summary
+    assert recovered_nodes(summary) == ["n0", "n1", "n1-0-dn0", "n1-0-dn1", "n2", TRAIN_NODE]
+    assert [node["node_id"] for node in summary["nodes"] if node["pods"]] == ["n3", "n4"]
+    # Every artifact lives in the bucket and the outputs point there, not to a pod's disk; the recovered
+    # nodes' outputs are this execution's too.
+    keys = s3.keys("store/")
+    assert any(k.startswith("store/fast/replay/fast") and k.endswith(".tar.gz") for k in keys)
+    for node in ("n0", "n1", "n2", TRAIN_NODE, "n3", "n4"):
+        assert any(k.endswith(f"{summary['execution']}/{node}/data/0/outputs.pb") for k in keys), node
+    assert any(k.startswith("store/raw/") and k.endswith("/manifest.json") for k in keys)  # staged data
+    assert any(k.startswith("store/raw/") and k.endswith("/model.safetensors") for k in keys)  # export
+    assert summary["outputs"]["model"]["directory"]["path"].startswith(f"s3://{s3.bucket}/store/raw/")
+    # Evaluated from the bucket on the whole test split (20 steps teach this model little: what it learns is
+    # test_pod_restarts.py's reference run's, which reaches the digits preset's accuracy).
+    result = summary["outputs"]["report"]["result"]
+    [manifest] = [k for k in keys if k.startswith("store/raw/") and k.endswith("/manifest.json")]
+    staged = json.loads(s3.client().get_object(Bucket=s3.bucket, Key=manifest)["Body"].read())
+    assert result["count"] == staged["splits"]["test"]["count"] > 0 and 0 <= result["accuracy"] <= 1
+    assert_no_secret(s3, finished.workdir, finished.pristine)
+
+
 def test_streamed_through_a_cache_a_quarter_of_the_dataset_it_trains_as_from_local_disk(two_pods, tmp_path):
     """The same 2-pod fsdp run from the replay's local store (the dataset memory-mapped from disk) ends with
     bitwise the weights of the run that streamed it from the bucket, whose pods each kept at most
@@ -222,41 +295,6 @@ def test_streamed_through_a_cache_a_quarter_of_the_dataset_it_trains_as_from_loc
     assert bitwise_equal(weights(Store(root), MAX_STEPS), two_pods.final)
 
 
-@LONG
-def test_two_pods_checkpoint_into_s3_every_rank_its_own_shards(two_pods):
-    s3, summary = two_pods.s3, two_pods.summary
-    train = summary["node_outputs"][TRAIN_NODE]["o0"]
-    assert resumed(train["summary"]) == (None, MAX_STEPS, 2)
-    # Every artifact lives in the bucket and the outputs point there, not to a pod's disk.
-    keys = s3.keys("store/")
-    assert any(k.startswith("store/fast/replay/fast") and k.endswith(".tar.gz") for k in keys)
-    for node in ("n0", "n1", "n2", TRAIN_NODE, "n3", "n4"):
-        assert any(k.endswith(f"/{node}/data/0/outputs.pb") for k in keys), node
-    assert any(k.startswith("store/raw/") and k.endswith("/manifest.json") for k in keys)  # staged data
-    assert any(k.startswith("store/raw/") and k.endswith("/model.safetensors") for k in keys)  # export
-    assert summary["outputs"]["model"]["directory"]["path"].startswith(f"s3://{s3.bucket}/store/raw/")
-    assert train["checkpoints"]["path"].startswith(two_pods.root.uri)
-    # Evaluated from the bucket on the whole test split (20 steps teach this model little: what it learns is
-    # test_pod_restarts.py's reference run's, which reaches the digits preset's accuracy).
-    result = summary["outputs"]["report"]["result"]
-    [manifest] = [k for k in keys if k.startswith("store/raw/") and k.endswith("/manifest.json")]
-    staged = json.loads(s3.client().get_object(Bucket=s3.bucket, Key=manifest)["Body"].read())
-    assert result["count"] == staged["splits"]["test"]["count"] > 0 and 0 <= result["accuracy"] <= 1
-    # The root as the run left it (the retry test resumes in the root itself).
-    root = bucket_store(s3, two_pods.pristine)
-    steps = complete_steps(root)
-    assert steps[-1] == MAX_STEPS and set(steps) <= set(range(EVERY, MAX_STEPS + 1, EVERY)), steps
-    for step in steps:  # one shard file per rank, written by that rank, and a marker listing them
-        files = read_marker(step_store(root, step))["files"]
-        shards = {name: entry["rank"] for name, entry in files.items() if name.endswith(".distcp")}
-        assert shards == {"__0_0.distcp": 0, "__1_0.distcp": 1}, files
-        assert read_marker(step_store(root, step))["mode"] == "async"
-    pods = sorted(two_pods.workdir.glob(f"pods/{summary['execution']}-{TRAIN_NODE}-0-worker-*"))
-    assert len(pods) == 2 and SECRET_NAME in json.loads((pods[0] / "pod.json").read_text())["platform_env"]
-    assert_no_secret(s3, two_pods.workdir, two_pods.pristine)
-
-
-@LONG
 def test_flyte_retry_of_the_train_node_resumes_the_root_bitwise(two_pods, tmp_path):
     s3, root, execution = two_pods.s3, two_pods.root, two_pods.summary["execution"]
     # The retry's inputs.pb names the run's own root: put it back as the run left it first.
@@ -282,7 +320,6 @@ def test_flyte_retry_of_the_train_node_resumes_the_root_bitwise(two_pods, tmp_pa
     assert_no_secret(s3, workdir, two_pods.ckpt)
 
 
-@LONG
 def test_one_pod_of_two_processes_resumes_a_copy_of_the_root(two_pods, tmp_path):
     workdir = tmp_path / "one-pod"
     run = resumed_execution(two_pods, workdir, "nnodes=1", "nproc_per_node=2", s3_store=False)
@@ -313,7 +350,6 @@ def test_one_pod_of_two_processes_resumes_a_copy_of_the_root(two_pods, tmp_path)
             assert (end[name] - tensor).abs().sum() <= 0.02 * moved, name
 
 
-@LONG
 def test_one_pod_of_one_multithreaded_process_with_restarts_resumes_a_copy_of_the_root(two_pods, tmp_path):
     workdir = tmp_path / "one-process"
     run = resumed_execution(two_pods, workdir, "nnodes=1", "nproc_per_node=1", "max_restarts=1",
@@ -342,23 +378,41 @@ def published(s3, registry: str, model_dir: str, workdir: Path) -> str:
     return run.stdout.split(": published ")[1].split()[0]
 
 
-@LONG
-def test_retraining_replays_on_two_pods_warm_started_from_the_registrys_latest(two_pods, tmp_path):
-    s3, workdir = two_pods.s3, tmp_path / "retrain"
+RETRAIN_TRAIN_NODE = "n2-0-n2-0-dn0"  # the train task inside training_pipeline (the sub-workflow n2)
+
+
+@pytest.fixture(scope="module")
+def retrained(finished, tmp_path_factory) -> SimpleNamespace:
+    """The scheduled retraining on the same two pods, warm-started from the registry's latest version (the
+    finished run's model, published as an operator does by hand), aborted once its train node succeeded."""
+    s3, base = finished.s3, tmp_path_factory.mktemp("retrain")
     registry = f"s3://{s3.bucket}/registry-{uuid.uuid4().hex[:8]}"
-    served = published(s3, registry, two_pods.summary["outputs"]["model"]["directory"]["path"], tmp_path)
+    served = published(s3, registry, finished.summary["outputs"]["model"]["directory"]["path"], base)
     root = bucket_store(s3, f"checkpoints/retrain-{uuid.uuid4().hex[:8]}")
     code, output, summary = run_replay(
-        two_pods.package, workdir, *TWO_PODS, "source=digits", f"max_steps={EVERY}",
+        finished.package, base / "trained", *TWO_PODS, "source=digits", f"max_steps={EVERY}",
         f"config_overrides={CONFIG}", f"checkpoint_uri={root}", "warm_start=true", f"promoted_uri={registry}",
         "threshold=0", "tolerance=1", env=s3.env,
-        options=("--launch-plan", "workflows.schedules.retrain_and_promote", "--store", two_pods.store))
-    assert code == 0, output[-6000:]
-    trains = [node for node in summary["nodes"] if node["task"].startswith("tasks.train.train-")]
+        options=("--launch-plan", "workflows.schedules.retrain_and_promote", "--store", finished.store,
+                 "--abort-after", RETRAIN_TRAIN_NODE))
+    assert code == 3, output[-6000:]
+    return SimpleNamespace(**{**vars(finished), "registry": registry, "served": served, "summary": summary,
+                              "workdir": base / "trained", "root": root})
+
+
+def test_retraining_trains_on_two_pods_warm_started_from_the_registrys_latest(retrained):
+    trains = [node for node in retrained.summary["nodes"] if node["task"].startswith("tasks.train.train-")]
     assert [(node["task"].split("-", 2)[1], node["pods"]) for node in trains] == [("kubernetes", 2)]
-    warm = f"warm_start: model.init_from={registry}/{served}/model.safetensors"
-    assert any(warm in path.read_text() for path in workdir.rglob("log.txt")), "no pod says where it started"
-    assert complete_steps(root) == [EVERY]  # its checkpoints in the bucket, at the root given
+    warm = f"warm_start: model.init_from={retrained.registry}/{retrained.served}/model.safetensors"
+    assert any(warm in path.read_text() for path in retrained.workdir.rglob("log.txt")), \
+        "no pod says where it started"
+    assert complete_steps(retrained.root) == [EVERY]  # its checkpoints in the bucket, at the root given
+
+
+def test_retraining_recovered_promotes_the_model_it_trained_over_the_one_in_service(retrained, tmp_path):
+    s3, registry, served = retrained.s3, retrained.registry, retrained.served
+    _, _, summary = recovery(retrained, tmp_path / "promote", retrained.summary["execution"])
+    assert RETRAIN_TRAIN_NODE in recovered_nodes(summary)
     promotion = summary["outputs"]["o0"]
     assert promotion["promoted"], promotion
     assert promotion["champion_origin"] == f"{registry}/{served} (latest)", promotion

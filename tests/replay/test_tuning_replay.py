@@ -4,16 +4,19 @@ trials, two rungs of successive halving, each trial a training run on the chosen
 - On the Kubernetes backend (the fast registration `make register` writes), each trial a PyTorchJob of two
   pods that shard the model between them, the search's root (its record and the trials' checkpoints) and
   every node's data in an S3 bucket (a local server), reached only through the settings a platform injects.
-  The module's first execution is aborted once its first rung is recorded (as a user aborts one on a
-  cluster); the same launch again, as the docs tell a user to relaunch a search, trains no trial of that
-  rung again and takes the survivor on from its own checkpoint in the bucket.
+  The module's first execution is aborted once the search is planned and its data staged, and recovered
+  (Flyte's recover: what succeeded is reused) until its first rung is recorded, where it is aborted again,
+  as a user aborts one on a cluster. The same launch again, as the docs tell a user to relaunch a search,
+  trains no trial of that rung again (that execution is aborted once the rung is recorded anew, and
+  recovered to its end) and takes the survivor on from its own checkpoint in the bucket.
 - On the local backend (the `pyflyte --pkgs workflows package` registration, code in the image), each trial
-  a process of the train pod, the search's root under the execution's raw-output prefix, in one execution.
+  a process of the train pod, the search's root under the execution's raw-output prefix: aborted once its
+  first rung is recorded, and recovered, which finds that root again through the recovered plan.
 
 Either way the surviving trial goes on from its own rung-0 checkpoint, the best trial's model is exported
 with the search in its lineage and evaluated, and the record in the root holds both trials. Each trial is
-a train node of its rung's dynamic node: 13 nodes a search in one execution (on Kubernetes 16 pods; the
-aborted execution here starts 9 and the relaunch 12, the first rung's trials not among them).
+a train node of its rung's dynamic node: 13 nodes a search in one execution (on Kubernetes 16 pods). Each
+test runs one execution of 3-7 pods: what an execution before it left is recovered, not run again.
 """
 
 from __future__ import annotations
@@ -30,9 +33,7 @@ from traincore.checkpoint import Store, complete_steps
 from traincore.tuning import StudyRecord
 from traincore.tuning.study import RECORD_FILE
 
-# `make test-long`: 77-119 s a test beside the suite's other worker on a fast day (2026-11-29), about twice
-# that on the slower days, past a `make test` test's 120 s.
-pytestmark = [pytest.mark.slow, pytest.mark.long]
+pytestmark = pytest.mark.slow
 
 SPACE = {"optim.lr": {"low": 5e-3, "high": 5e-2, "log": True}, "model.width": {"choices": [4, 8]}}
 MAX_STEPS = 8  # rungs of 4 and 8 steps
@@ -41,7 +42,9 @@ SEARCH = (f"search_space={json.dumps(SPACE)}", "trials=2", "parallel=2", "rungs=
           f"config_overrides={json.dumps(OVERRIDES)}")
 PLAN = ("--launch-plan", "workflows.tuning.tune_pipeline")
 KUBERNETES = ("backend=kubernetes", "nnodes=2", "nproc_per_node=1", "parallelism=fsdp")
+STAGED = "n2"  # plan_run, plan_search, stage_dataset
 FIRST_RUNG_RECORD = "n3-0-dn2"  # in run_rung's dynamic node: the two trials' train nodes, then rung_record
+RECORDED_AGAIN = "n3-0-dn0"  # relaunched, the first rung is recorded: no train node, then rung_record
 
 
 def check_search(summary: dict, workdir: Path, world_size: int, first_resumed: list[int]) -> dict:
@@ -71,8 +74,9 @@ def check_search(summary: dict, workdir: Path, world_size: int, first_resumed: l
 
 
 def trains(summary: dict) -> list[int]:
-    """The pods of each train node the execution ran."""
-    return [node["pods"] for node in summary["nodes"] if node["task"].startswith("tasks.train.train-")]
+    """The pods of each train node the execution ran (not those it recovered)."""
+    return [node["pods"] for node in summary["nodes"]
+            if node["task"].startswith("tasks.train.train-") and not node["recovered_from"]]
 
 
 def kubernetes_search(run: SimpleNamespace, workdir: Path, *options: str) -> tuple[int, str, dict]:
@@ -86,21 +90,51 @@ def recorded(run: SimpleNamespace) -> StudyRecord:
     return StudyRecord(**json.loads(Store(run.root, run.s3.storage_options).read_bytes(RECORD_FILE)))
 
 
+def recovered(run: SimpleNamespace, workdir: Path, execution: str, *options: str) -> tuple[int, str, dict]:
+    """A new execution recovering ``execution`` of the module's store: its own inputs and launch plan."""
+    return run_replay(run.package, workdir, options=("--recover", execution, "--store", run.store, *options),
+                      env=run.s3.env)
+
+
+def assert_recovered(summary: dict, nodes: list[str]) -> None:
+    """The execution's first nodes were recovered (no pod), in order: ``nodes``."""
+    recovered = [node["node_id"] for node in summary["nodes"] if node["recovered_from"]]
+    assert recovered == nodes and all(node["pods"] == 0 for node in summary["nodes"][:len(nodes)]), summary
+
+
 @pytest.fixture(scope="module")
-def first_rung(fast_package, s3_server, tmp_path_factory) -> SimpleNamespace:
-    """The Kubernetes search, aborted once its first rung is recorded: its root, output and summary."""
-    run = SimpleNamespace(package=fast_package, s3=s3_server,
+def staged(fast_package, s3_server, tmp_path_factory) -> SimpleNamespace:
+    """The Kubernetes search, aborted once it is planned and its data staged: its root, output and
+    summary."""
+    run = SimpleNamespace(package=fast_package, s3=s3_server, store=f"s3://{s3_server.bucket}/store",
                           root=f"s3://{s3_server.bucket}/search-{uuid.uuid4().hex[:8]}",
-                          workdir=tmp_path_factory.mktemp("search") / "first")
-    run.code, run.output, run.summary = kubernetes_search(run, run.workdir,
-                                                          "--abort-after", FIRST_RUNG_RECORD)
+                          base=tmp_path_factory.mktemp("search"))
+    run.code, run.output, run.summary = kubernetes_search(run, run.base / "staged", "--abort-after", STAGED)
     return run
 
 
-def test_a_search_of_two_pod_trials_on_kubernetes_aborted_after_its_first_rung_keeps_it_in_the_bucket(
+@pytest.fixture(scope="module")
+def first_rung(staged) -> SimpleNamespace:
+    """The staged search recovered, and aborted again once its first rung is recorded."""
+    code, output, summary = recovered(staged, staged.base / "first", staged.summary["execution"],
+                                      "--abort-after", FIRST_RUNG_RECORD)
+    return SimpleNamespace(**{**vars(staged), "code": code, "output": output, "summary": summary})
+
+
+def test_a_search_on_kubernetes_aborted_once_staged_has_drawn_its_trials_into_the_bucket(staged):
+    assert staged.code == 3, staged.output[-6000:]
+    assert [node["task"].rsplit(".", 1)[1] for node in staged.summary["nodes"]] == [
+        "plan_run", "plan_search", "stage_dataset"]
+    record = recorded(staged)  # the trials as drawn, no result yet
+    assert len(record.params) == 2 and record.results == [], record
+    assert complete_steps(Store(f"{staged.root}/trial-000", staged.s3.storage_options)) == []
+
+
+def test_a_search_of_two_pod_trials_recovered_and_aborted_after_its_first_rung_keeps_it_in_the_bucket(
         first_rung):
     assert first_rung.code == 3, first_rung.output[-6000:]
     assert f"replay: ABORTED: aborted after node {FIRST_RUNG_RECORD}" in first_rung.output
+    assert_recovered(first_rung.summary, ["n0", "n1", STAGED])
     assert trains(first_rung.summary) == [2, 2]  # both trials, each a PyTorchJob of 2 pods
     rung = first_rung.summary["node_outputs"][FIRST_RUNG_RECORD]["o0"]
     assert (rung["budget"], rung["trials"], rung["resumed_from"], len(rung["survivors"])) == (4, [0, 1],
@@ -112,20 +146,62 @@ def test_a_search_of_two_pod_trials_on_kubernetes_aborted_after_its_first_rung_k
         assert complete_steps(root) == [4], trial
 
 
-def test_the_same_search_launched_again_trains_only_the_survivor_on_from_its_checkpoint(first_rung, tmp_path):
-    workdir = tmp_path / "again"
-    code, output, summary = kubernetes_search(first_rung, workdir)
+@pytest.fixture(scope="module")
+def launched_again(first_rung) -> SimpleNamespace:
+    """The same launch again, a new execution, aborted once its first rung is recorded."""
+    workdir = first_rung.base / "again"
+    code, output, summary = kubernetes_search(first_rung, workdir, "--abort-after", RECORDED_AGAIN)
+    return SimpleNamespace(**{**vars(first_rung), "code": code, "output": output, "summary": summary,
+                              "workdir": workdir})
+
+
+def test_the_same_search_launched_again_trains_no_trial_of_the_rung_it_recorded(launched_again):
+    assert launched_again.code == 3, launched_again.output[-6000:]
+    assert trains(launched_again.summary) == []  # the first rung's trials are in the record
+    rung = launched_again.summary["node_outputs"][RECORDED_AGAIN]["o0"]
+    assert (rung["trials"], rung["resumed_from"]) == ([0, 1], [4, 4]), rung  # recorded at step 4
+    assert "recorded by an earlier run at step 4" in launched_again.output + "".join(
+        path.read_text(errors="replace") for path in launched_again.workdir.rglob("log.txt"))
+
+
+def test_the_relaunched_search_recovered_trains_only_the_survivor_on_from_its_checkpoint(launched_again,
+                                                                                         tmp_path):
+    workdir = tmp_path / "recovered"
+    code, output, summary = recovered(launched_again, workdir, launched_again.summary["execution"])
     assert code == 0, output[-6000:]
-    assert trains(summary) == [2]  # the first rung's trials are in the record: only the survivor trains
+    assert_recovered(summary, ["n0", "n1", "n2", "n3", RECORDED_AGAIN])
+    assert trains(summary) == [2]  # the survivor, a PyTorchJob of 2 pods
     search = check_search(summary, workdir, world_size=2, first_resumed=[4, 4])
-    record = recorded(first_rung)
+    record = recorded(launched_again)
     assert [set(values) for values in record.results] == [{"0", "1"}, {str(search["best_trial"])}], record
 
 
-def test_a_search_replays_on_the_local_backend_from_the_package(non_fast_package, tmp_path):
-    workdir = tmp_path / "run"
+@pytest.fixture(scope="module")
+def local_first_rung(non_fast_package, tmp_path_factory) -> SimpleNamespace:
+    """The search on the local backend, aborted once its first rung is recorded; its store the replay's
+    default, a directory in its workdir."""
+    workdir = tmp_path_factory.mktemp("local-search") / "first"
     code, output, summary = run_replay(non_fast_package, workdir, *SEARCH, "nproc_per_node=1",
-                                       options=PLAN)
+                                       options=(*PLAN, "--abort-after", FIRST_RUNG_RECORD))
+    return SimpleNamespace(package=non_fast_package, workdir=workdir, code=code, output=output,
+                           summary=summary)
+
+
+def test_a_search_on_the_local_backend_from_the_package_aborted_after_its_first_rung(local_first_rung):
+    assert local_first_rung.code == 3, local_first_rung.output[-6000:]
+    assert trains(local_first_rung.summary) == [1, 1]  # each trial a process of its own train pod
+    rung = local_first_rung.summary["node_outputs"][FIRST_RUNG_RECORD]["o0"]
+    assert (rung["trials"], rung["resumed_from"], len(rung["survivors"])) == ([0, 1], [0, 0], 1), rung
+
+
+def test_the_local_search_recovered_finds_its_root_and_resumes_the_survivor(local_first_rung, tmp_path):
+    """The search's root (no checkpoint_uri: under the first execution's raw-output prefix) is an output of
+    plan_search, which is recovered: the survivor resumes from its rung-0 checkpoint there."""
+    workdir = tmp_path / "recovered"
+    store = str(local_first_rung.workdir / "store")
+    code, output, summary = run_replay(local_first_rung.package, workdir, options=(
+        "--recover", local_first_rung.summary["execution"], "--store", store))
     assert code == 0, output[-6000:]
-    assert trains(summary) == [1, 1, 1]
+    assert_recovered(summary, ["n0", "n1", "n2", "n3", "n3-0-dn0", "n3-0-dn1", FIRST_RUNG_RECORD])
+    assert trains(summary) == [1]
     check_search(summary, workdir, world_size=1, first_resumed=[0, 0])
