@@ -7,6 +7,6 @@ per worker replica of the PyTorchJob that Flyte's kfoperators plugin would creat
 
 Modules: ``package`` (the archive), ``store`` (object store and propeller's paths), ``literals`` (launch
 inputs, bindings, output display), ``pod`` (one container as a process), ``pytorchjob`` (the PyTorchJob
-manifest and its worker pods), ``graph`` (the workflow walk and dynamic expansion), ``cli``, ``retry`` (one
-node rerun as a later attempt; single pods restarted from their pod.json).
+manifest and its worker pods), ``graph`` (the workflow walk, dynamic expansion, aborts and recovery),
+``cli``, ``retry`` (one node rerun as a later attempt; single pods restarted from their pod.json).
 """

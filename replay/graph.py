@@ -1,6 +1,7 @@
 """Walk a workflow as propeller does: nodes in dependency order, bindings resolved from earlier outputs,
 dynamic nodes expanded from their futures.pb (DynamicJobSpec), pytorch tasks run as a PyTorchJob, array
-nodes (map tasks) as one pod per element."""
+nodes (map tasks) as one pod per element; an execution stopped after a node (an abort), and one that
+recovers an earlier execution's nodes that succeeded instead of running them (Flyte's recover)."""
 
 from __future__ import annotations
 

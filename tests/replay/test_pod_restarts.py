@@ -93,24 +93,47 @@ def assert_shards_per_rank(root: Store) -> None:
         assert shards == {"__0_0.distcp": 0, "__1_0.distcp": 1} and ".metadata" in files, (step, files)
 
 
+def staged_run(package: Path, base: Path, s3, *inputs: str) -> SimpleNamespace:
+    """The workflow on ``inputs``, aborted once its dataset is staged (plan_run, stage_dataset): the
+    replay's output and summary, its store (under ``base``/staged) and its checkpoint root."""
+    root = f"s3://{s3.bucket}/{base.name}-{uuid.uuid4().hex[:8]}"
+    code, output, summary = run_replay(package, base / "staged", *inputs, f"checkpoint_uri={root}",
+                                       options=("--abort-after", "n1"), env=s3.env)
+    assert code == 3, output[-6000:]
+    return SimpleNamespace(package=package, base=base, store=base / "staged" / "store", root=root, s3=s3,
+                           output=output, summary=summary)
+
+
+def assert_planned(staged: SimpleNamespace, planned: tuple[int, int, int]) -> None:
+    """plan_run planned (min_nnodes, nnodes, max_restarts) = ``planned`` (min_nnodes 0: a count, not a
+    range), and the digits are staged."""
+    topology = staged.summary["node_outputs"]["n0"]["topology"]
+    assert (topology["min_nnodes"], topology["nnodes"], topology["max_restarts"]) == planned, topology
+    assert staged.summary["node_outputs"]["n1"]["o0"]["counts"]["train"] > 0
+
+
 @pytest.fixture(scope="module")
-def job(non_fast_package, tmp_path_factory, s3_server):
-    """The uninterrupted reference replay, in two executions: staged (aborted once the dataset is staged),
-    then recovered and aborted once the train node succeeded. Its pods, store, checkpoint root, final
-    weights, rank 0's metrics.jsonl (text) and the job's manifest (parsed). The store's settings are in this
-    process's environment for the module, as a platform injects them into every pod (the pods started here
-    from pod.json read them from there)."""
-    base = tmp_path_factory.mktemp("pod-restarts")
-    workdir, store = base / "run", base / "staged" / "store"
-    root = Store(f"s3://{s3_server.bucket}/pod-restarts-{uuid.uuid4().hex[:8]}", s3_server.storage_options)
+def reference_staged(non_fast_package, tmp_path_factory, s3_server) -> SimpleNamespace:
+    return staged_run(non_fast_package, tmp_path_factory.mktemp("pod-restarts"), s3_server, *INPUTS)
+
+
+def test_the_reference_launch_plans_a_two_pod_job_and_stages_its_data(reference_staged):
+    assert_planned(reference_staged, (0, 2, 1))
+
+
+@pytest.fixture(scope="module")
+def job(reference_staged):
+    """The uninterrupted reference replay: the staged execution recovered, and aborted once the train node
+    succeeded. Its pods, store, checkpoint root, final weights, rank 0's metrics.jsonl (text) and the job's
+    manifest (parsed). The store's settings are in this process's environment for the module, as a
+    platform injects them into every pod (the pods started here from pod.json read them from there)."""
+    staged, workdir = reference_staged, reference_staged.base / "run"
+    store, root = staged.store, Store(staged.root, staged.s3.storage_options)
     with pytest.MonkeyPatch.context() as patch:
-        for name, value in s3_server.env.items():
+        for name, value in staged.s3.env.items():
             patch.setenv(name, value)
-        code, output, staged = run_replay(non_fast_package, base / "staged", *INPUTS,
-                                          f"checkpoint_uri={root}", options=("--abort-after", "n1"))
-        assert code == 3, output[-6000:]
-        code, output, summary = run_replay(non_fast_package, workdir, options=(
-            "--recover", staged["execution"], "--store", str(store), "--abort-after", TRAIN_NODE))
+        code, output, summary = run_replay(staged.package, workdir, options=(
+            "--recover", staged.summary["execution"], "--store", str(store), "--abort-after", TRAIN_NODE))
         assert code == 3, output[-6000:]
         assert [node["node_id"] for node in summary["nodes"] if node["recovered_from"]] == ["n0", "n1"]
         train = summary["node_outputs"][TRAIN_NODE]["o0"]["summary"]
@@ -124,9 +147,9 @@ def job(non_fast_package, tmp_path_factory, s3_server):
         # What this run alone left: the pods restarted below add run directories and the retry a manifest.
         (metrics,) = workdir.glob("**/run/metrics.jsonl")
         (manifest,) = (workdir / "jobs").glob("*.json")
-        yield SimpleNamespace(package=non_fast_package, workdir=workdir, store=store, root=root, pods=pods,
-                              summary=summary, reference=reference, outputs_pb=outputs_pb, base=base,
-                              s3=s3_server, metrics=metrics.read_text(),
+        yield SimpleNamespace(package=staged.package, workdir=workdir, store=store, root=root, pods=pods,
+                              summary=summary, reference=reference, outputs_pb=outputs_pb, base=staged.base,
+                              s3=staged.s3, metrics=metrics.read_text(),
                               manifest=json.loads(manifest.read_text()))
 
 
@@ -343,22 +366,12 @@ ELASTIC_INPUTS = ("backend=kubernetes", "nnodes=1:2", "nproc_per_node=1", "max_r
 
 @pytest.fixture(scope="module")
 def node_range_staged(non_fast_package, tmp_path_factory, s3_server) -> SimpleNamespace:
-    """nnodes=1:2 on the Kubernetes backend, aborted once its dataset is staged: the replay's output and
-    summary, its store and its checkpoint root."""
-    base = tmp_path_factory.mktemp("node-range")
-    root = f"s3://{s3_server.bucket}/elastic-{uuid.uuid4().hex[:8]}"
-    code, output, summary = run_replay(non_fast_package, base / "staged", *ELASTIC_INPUTS,
-                                       f"checkpoint_uri={root}", options=("--abort-after", "n1"),
-                                       env=s3_server.env)
-    return SimpleNamespace(package=non_fast_package, base=base, store=base / "staged" / "store", root=root,
-                           s3=s3_server, code=code, output=output, summary=summary)
+    """nnodes=1:2 on the Kubernetes backend, aborted once its dataset is staged."""
+    return staged_run(non_fast_package, tmp_path_factory.mktemp("elastic"), s3_server, *ELASTIC_INPUTS)
 
 
 def test_a_node_range_launch_plans_an_elastic_job_of_one_to_two_pods(node_range_staged):
-    assert node_range_staged.code == 3, node_range_staged.output[-6000:]
-    topology = node_range_staged.summary["node_outputs"]["n0"]["topology"]
-    assert (topology["min_nnodes"], topology["nnodes"], topology["max_restarts"]) == (1, 2, 2), topology
-    assert node_range_staged.summary["node_outputs"]["n1"]["o0"]["counts"]["train"] > 0
+    assert_planned(node_range_staged, (1, 2, 2))
 
 
 @pytest.fixture(scope="module")

@@ -378,34 +378,49 @@ def published(s3, registry: str, model_dir: str, workdir: Path) -> str:
     return run.stdout.split(": published ")[1].split()[0]
 
 
-RETRAIN_TRAIN_NODE = "n2-0-n2-0-dn0"  # the train task inside training_pipeline (the sub-workflow n2)
+RETRAIN_STAGED = "n2-0-n1"  # the staging inside training_pipeline (the sub-workflow n2)
+RETRAIN_TRAIN_NODE = "n2-0-n2-0-dn0"  # its train task
 
 
 @pytest.fixture(scope="module")
-def retrained(finished, tmp_path_factory) -> SimpleNamespace:
+def retraining(finished, tmp_path_factory) -> SimpleNamespace:
     """The scheduled retraining on the same two pods, warm-started from the registry's latest version (the
-    finished run's model, published as an operator does by hand), aborted once its train node succeeded."""
+    finished run's model, published as an operator does by hand), aborted once its dataset is staged."""
     s3, base = finished.s3, tmp_path_factory.mktemp("retrain")
     registry = f"s3://{s3.bucket}/registry-{uuid.uuid4().hex[:8]}"
     served = published(s3, registry, finished.summary["outputs"]["model"]["directory"]["path"], base)
     root = bucket_store(s3, f"checkpoints/retrain-{uuid.uuid4().hex[:8]}")
     code, output, summary = run_replay(
-        finished.package, base / "trained", *TWO_PODS, "source=digits", f"max_steps={EVERY}",
+        finished.package, base / "staged", *TWO_PODS, "source=digits", f"max_steps={EVERY}",
         f"config_overrides={CONFIG}", f"checkpoint_uri={root}", "warm_start=true", f"promoted_uri={registry}",
         "threshold=0", "tolerance=1", env=s3.env,
         options=("--launch-plan", "workflows.schedules.retrain_and_promote", "--store", finished.store,
-                 "--abort-after", RETRAIN_TRAIN_NODE))
+                 "--abort-after", RETRAIN_STAGED))
     assert code == 3, output[-6000:]
     return SimpleNamespace(**{**vars(finished), "registry": registry, "served": served, "summary": summary,
-                              "workdir": base / "trained", "root": root})
+                              "workdir": base / "staged", "root": root, "base": base})
 
 
-def test_retraining_trains_on_two_pods_warm_started_from_the_registrys_latest(retrained):
+def test_retraining_starts_from_the_registrys_latest_version(retraining):
+    weights = f"{retraining.registry}/{retraining.served}/model.safetensors"
+    assert weights in retraining.summary["node_outputs"]["n1"]["o0"]  # the config the training is given
+    warm = f"warm_start: model.init_from={weights}"
+    assert any(warm in path.read_text() for path in retraining.workdir.rglob("log.txt")), \
+        "no pod says where it started"
+
+
+@pytest.fixture(scope="module")
+def retrained(retraining) -> SimpleNamespace:
+    """The staged retraining recovered, and aborted once its train node succeeded."""
+    workdir = retraining.base / "trained"
+    _, _, summary = recovery(retraining, workdir, retraining.summary["execution"],
+                             "--abort-after", RETRAIN_TRAIN_NODE)
+    return SimpleNamespace(**{**vars(retraining), "summary": summary, "workdir": workdir})
+
+
+def test_retraining_trains_on_two_pods_into_its_root_in_the_bucket(retrained):
     trains = [node for node in retrained.summary["nodes"] if node["task"].startswith("tasks.train.train-")]
     assert [(node["task"].split("-", 2)[1], node["pods"]) for node in trains] == [("kubernetes", 2)]
-    warm = f"warm_start: model.init_from={retrained.registry}/{retrained.served}/model.safetensors"
-    assert any(warm in path.read_text() for path in retrained.workdir.rglob("log.txt")), \
-        "no pod says where it started"
     assert complete_steps(retrained.root) == [EVERY]  # its checkpoints in the bucket, at the root given
 
 

@@ -4,11 +4,12 @@ trials, two rungs of successive halving, each trial a training run on the chosen
 - On the Kubernetes backend (the fast registration `make register` writes), each trial a PyTorchJob of two
   pods that shard the model between them, the search's root (its record and the trials' checkpoints) and
   every node's data in an S3 bucket (a local server), reached only through the settings a platform injects.
-  The module's first execution is aborted once the search is planned and its data staged, and recovered
-  (Flyte's recover: what succeeded is reused) until its first rung is recorded, where it is aborted again,
-  as a user aborts one on a cluster. The same launch again, as the docs tell a user to relaunch a search,
-  trains no trial of that rung again (that execution is aborted once the rung is recorded anew, and
-  recovered to its end) and takes the survivor on from its own checkpoint in the bucket.
+  The module's first execution is aborted once the search is planned and its data staged, as a user
+  aborts one on a cluster, and recovered (Flyte's recover: what succeeded is reused) one trial at a time
+  until its first rung is recorded. The same launch again, as the docs tell a user to relaunch a search,
+  trains no trial of that rung again (that execution is aborted once the rung is recorded anew) and,
+  recovered, takes the survivor on from its own checkpoint in the bucket, then, recovered again, to the
+  export and evaluation of the best trial.
 - On the local backend (the `pyflyte --pkgs workflows package` registration, code in the image), each trial
   a process of the train pod, the search's root under the execution's raw-output prefix: aborted once its
   first rung is recorded, and recovered, which finds that root again through the recovered plan.
@@ -16,7 +17,7 @@ trials, two rungs of successive halving, each trial a training run on the chosen
 Either way the surviving trial goes on from its own rung-0 checkpoint, the best trial's model is exported
 with the search in its lineage and evaluated, and the record in the root holds both trials. Each trial is
 a train node of its rung's dynamic node: 13 nodes a search in one execution (on Kubernetes 16 pods). Each
-test runs one execution of 3-7 pods: what an execution before it left is recovered, not run again.
+test runs one execution of 3-6 pods: what an execution before it left is recovered, not run again.
 """
 
 from __future__ import annotations
@@ -43,8 +44,10 @@ SEARCH = (f"search_space={json.dumps(SPACE)}", "trials=2", "parallel=2", "rungs=
 PLAN = ("--launch-plan", "workflows.tuning.tune_pipeline")
 KUBERNETES = ("backend=kubernetes", "nnodes=2", "nproc_per_node=1", "parallelism=fsdp")
 STAGED = "n2"  # plan_run, plan_search, stage_dataset
-FIRST_RUNG_RECORD = "n3-0-dn2"  # in run_rung's dynamic node: the two trials' train nodes, then rung_record
+FIRST_TRIAL = "n3-0-dn0"  # in run_rung's dynamic node: the two trials' train nodes, then rung_record
+FIRST_RUNG_RECORD = "n3-0-dn2"
 RECORDED_AGAIN = "n3-0-dn0"  # relaunched, the first rung is recorded: no train node, then rung_record
+SURVIVOR = "n3-0-dn1-0-dn0"  # then the next rung's dynamic node: the survivor's train node, finish_search
 
 
 def check_search(summary: dict, workdir: Path, world_size: int, first_resumed: list[int]) -> dict:
@@ -114,11 +117,19 @@ def staged(fast_package, s3_server, tmp_path_factory) -> SimpleNamespace:
 
 
 @pytest.fixture(scope="module")
-def first_rung(staged) -> SimpleNamespace:
-    """The staged search recovered, and aborted again once its first rung is recorded."""
-    code, output, summary = recovered(staged, staged.base / "first", staged.summary["execution"],
-                                      "--abort-after", FIRST_RUNG_RECORD)
+def first_trial(staged) -> SimpleNamespace:
+    """The staged search recovered, and aborted again once its first trial trained."""
+    code, output, summary = recovered(staged, staged.base / "trial", staged.summary["execution"],
+                                      "--abort-after", FIRST_TRIAL)
     return SimpleNamespace(**{**vars(staged), "code": code, "output": output, "summary": summary})
+
+
+@pytest.fixture(scope="module")
+def first_rung(first_trial) -> SimpleNamespace:
+    """That execution recovered in turn, and aborted once its first rung is recorded."""
+    code, output, summary = recovered(first_trial, first_trial.base / "first",
+                                      first_trial.summary["execution"], "--abort-after", FIRST_RUNG_RECORD)
+    return SimpleNamespace(**{**vars(first_trial), "code": code, "output": output, "summary": summary})
 
 
 def test_a_search_on_kubernetes_aborted_once_staged_has_drawn_its_trials_into_the_bucket(staged):
@@ -130,12 +141,22 @@ def test_a_search_on_kubernetes_aborted_once_staged_has_drawn_its_trials_into_th
     assert complete_steps(Store(f"{staged.root}/trial-000", staged.s3.storage_options)) == []
 
 
+def test_the_search_recovered_trains_its_first_trial_as_a_two_pod_job_into_its_own_root(first_trial):
+    assert first_trial.code == 3, first_trial.output[-6000:]
+    assert_recovered(first_trial.summary, ["n0", "n1", STAGED])
+    assert trains(first_trial.summary) == [2]  # a PyTorchJob of 2 pods
+    assert complete_steps(Store(f"{first_trial.root}/trial-000", first_trial.s3.storage_options)) == [4]
+    assert complete_steps(Store(f"{first_trial.root}/trial-001", first_trial.s3.storage_options)) == []
+    assert recorded(first_trial).results == []  # no rung recorded yet
+
+
 def test_a_search_of_two_pod_trials_recovered_and_aborted_after_its_first_rung_keeps_it_in_the_bucket(
         first_rung):
     assert first_rung.code == 3, first_rung.output[-6000:]
     assert f"replay: ABORTED: aborted after node {FIRST_RUNG_RECORD}" in first_rung.output
-    assert_recovered(first_rung.summary, ["n0", "n1", STAGED])
-    assert trains(first_rung.summary) == [2, 2]  # both trials, each a PyTorchJob of 2 pods
+    # The first trial is not trained again: its train node is recovered inside the rung's dynamic node.
+    assert_recovered(first_rung.summary, ["n0", "n1", STAGED, "n3", FIRST_TRIAL])
+    assert trains(first_rung.summary) == [2]  # the second trial, a PyTorchJob of 2 pods
     rung = first_rung.summary["node_outputs"][FIRST_RUNG_RECORD]["o0"]
     assert (rung["budget"], rung["trials"], rung["resumed_from"], len(rung["survivors"])) == (4, [0, 1],
                                                                                                [0, 0], 1)
@@ -164,15 +185,30 @@ def test_the_same_search_launched_again_trains_no_trial_of_the_rung_it_recorded(
         path.read_text(errors="replace") for path in launched_again.workdir.rglob("log.txt"))
 
 
-def test_the_relaunched_search_recovered_trains_only_the_survivor_on_from_its_checkpoint(launched_again,
-                                                                                         tmp_path):
-    workdir = tmp_path / "recovered"
-    code, output, summary = recovered(launched_again, workdir, launched_again.summary["execution"])
+@pytest.fixture(scope="module")
+def survivor(launched_again) -> SimpleNamespace:
+    """The relaunched search recovered, and aborted once the survivor trained in the last rung."""
+    workdir = launched_again.base / "survivor"
+    code, output, summary = recovered(launched_again, workdir, launched_again.summary["execution"],
+                                      "--abort-after", SURVIVOR)
+    return SimpleNamespace(**{**vars(launched_again), "code": code, "output": output, "summary": summary,
+                              "workdir": workdir})
+
+
+def test_the_relaunched_search_recovered_trains_only_the_survivor_on_from_its_checkpoint(survivor):
+    assert survivor.code == 3, survivor.output[-6000:]
+    assert_recovered(survivor.summary, ["n0", "n1", "n2", "n3", RECORDED_AGAIN])
+    assert trains(survivor.summary) == [2]  # the survivor, a PyTorchJob of 2 pods
+    train = survivor.summary["node_outputs"][SURVIVOR]["o0"]["summary"]
+    assert (train["resumed_from"], train["steps"], train["world_size"]) == (4, MAX_STEPS, 2), train
+
+
+def test_the_relaunched_search_recovered_to_its_end_exports_and_records_the_best(survivor, tmp_path):
+    code, output, summary = recovered(survivor, tmp_path / "end", survivor.summary["execution"])
     assert code == 0, output[-6000:]
-    assert_recovered(summary, ["n0", "n1", "n2", "n3", RECORDED_AGAIN])
-    assert trains(summary) == [2]  # the survivor, a PyTorchJob of 2 pods
-    search = check_search(summary, workdir, world_size=2, first_resumed=[4, 4])
-    record = recorded(launched_again)
+    assert trains(summary) == []  # the survivor's train node is recovered too
+    search = check_search(summary, survivor.workdir, world_size=2, first_resumed=[4, 4])
+    record = recorded(survivor)
     assert [set(values) for values in record.results] == [{"0", "1"}, {str(search["best_trial"])}], record
 
 
