@@ -280,6 +280,9 @@ def report(summary: dict) -> None:
     """Each node's wall time and the workflow's outputs (accuracy first)."""
     print("replay: node wall times")
     for node in summary["nodes"]:
+        if node["recovered_from"]:
+            print(f"  {node['node_id']:<10} {node['task']:<45} recovered from {node['recovered_from']}")
+            continue
         writer = f"  (outputs.pb from {node['writer']}, global rank 0)" if node["writer"] else ""
         print(f"  {node['node_id']:<10} {node['task']:<45} {node['pods']} pod(s) {node['wall_s']:7.1f} s"
               + writer)

@@ -15,6 +15,7 @@ import replay_helpers  # noqa: F401, I001  (a module beside this file; puts the 
 from flyteidl.core import identifier_pb2, interface_pb2, literals_pb2, tasks_pb2, types_pb2, workflow_pb2
 from google.protobuf.struct_pb2 import Struct
 
+from replay.cli import report
 from replay.graph import ExecutionAborted, NodeFailed, Replay, check_world, dependency_order, rank0_writer
 from replay.package import REMOTE_PACKAGE_PATH
 from replay.pod import PodResult, PodSpec, render_args, run_pods
@@ -260,7 +261,7 @@ with open(sys.argv[3], "a") as ran:
 """
 
 
-def test_a_recovered_execution_reuses_what_succeeded_and_runs_the_rest(tmp_path):
+def test_a_recovered_execution_reuses_what_succeeded_and_runs_the_rest(tmp_path, capsys):
     """--recover: an execution aborted after n1 of n0 -> n1 -> n2, recovered as a new execution: n0 and n1
     are not run again (their inputs and outputs copied to the new execution's paths), n2 runs on n1's
     recovered output, and the workflow's result is the one an uninterrupted execution gives."""
@@ -287,6 +288,10 @@ def test_a_recovered_execution_reuses_what_succeeded_and_runs_the_rest(tmp_path)
     recovered = store.node_paths(again.execution, "n1")
     assert store.read(f"{recovered.output_prefix}/outputs.pb") == outputs["n1"].SerializeToString()
     assert store.exists(recovered.inputs)
+    capsys.readouterr()  # the nodes' own lines, then the summary's wall times
+    report({"nodes": [vars(t) for t in again.timings], "total_s": 1.0, "outputs": {}})
+    wall_times = capsys.readouterr().out.splitlines()
+    assert "recovered from fexec" in wall_times[1] and "1 pod(s)" in wall_times[3], wall_times
 
 
 def test_recovery_takes_the_attempt_that_succeeded_and_runs_a_node_that_only_failed(tmp_path):

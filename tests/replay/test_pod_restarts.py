@@ -28,10 +28,11 @@ weights as the uninterrupted run: a rank's computation depends only on its rank,
 (model, optimizer, schedule, loader position, RNG) and the fixed config, not on which process holds it,
 and a 2-rank allreduce sums a + b, which IEEE addition gives bitwise whichever order the ranks land in.
 
-The runs are cut at node boundaries so that each test stays well within the suite's 120 s a test: the
-first test pays for the reference run's staging and train node, the non-fast test for its recovery to the
-end (export and evaluation), the eviction and its Flyte retry are two tests, and the node-range job's
-export and evaluation are its execution's recovery, in a test of their own.
+The runs are cut at node boundaries so that each test stays well within the suite's 120 s a test: each
+launch's staging is a test of its own, the reference run's train node the first test of the job, the
+non-fast test pays for its recovery to the end (export and evaluation), the eviction and its Flyte retry
+are two tests, and the node-range job's export and evaluation are its execution's recovery, in a test of
+their own.
 """
 
 from __future__ import annotations
@@ -66,6 +67,14 @@ CONFIG = json.dumps({"telemetry": {"log_every": 10, "records_every_s": 2},
 INPUTS = ("backend=kubernetes", "nnodes=2", "nproc_per_node=1", "max_restarts=1", "parallelism=fsdp",
           f"max_steps={MAX_STEPS}", f"config_overrides={CONFIG}")
 TIMEOUT_S = 300
+ELASTIC_STEPS = 160
+ELASTIC_CONFIG = json.dumps({"telemetry": {"log_every": 1, "records_every_s": 2},
+                             "checkpoint": {"every": EVERY, "mode": "dcp"}})
+ELASTIC_INPUTS = ("backend=kubernetes", "nnodes=1:2", "nproc_per_node=1", "max_restarts=2",
+                  f"max_steps={ELASTIC_STEPS}", f"config_overrides={ELASTIC_CONFIG}")
+# The module's two launches: their inputs and what plan_run plans (min_nnodes, nnodes, max_restarts; a
+# min_nnodes of 0: a count, not a range).
+LAUNCHES = {"reference": (INPUTS, (0, 2, 1)), "node-range": (ELASTIC_INPUTS, (1, 2, 2))}
 DEFAULT_GRACE_S = 30  # Kubernetes' default termination grace: SIGKILL after it
 
 
@@ -93,41 +102,44 @@ def assert_shards_per_rank(root: Store) -> None:
         assert shards == {"__0_0.distcp": 0, "__1_0.distcp": 1} and ".metadata" in files, (step, files)
 
 
-def staged_run(package: Path, base: Path, s3, *inputs: str) -> SimpleNamespace:
-    """The workflow on ``inputs``, aborted once its dataset is staged (plan_run, stage_dataset): the
-    replay's output and summary, its store (under ``base``/staged) and its checkpoint root."""
-    root = f"s3://{s3.bucket}/{base.name}-{uuid.uuid4().hex[:8]}"
-    code, output, summary = run_replay(package, base / "staged", *inputs, f"checkpoint_uri={root}",
-                                       options=("--abort-after", "n1"), env=s3.env)
-    assert code == 3, output[-6000:]
-    return SimpleNamespace(package=package, base=base, store=base / "staged" / "store", root=root, s3=s3,
-                           output=output, summary=summary)
+@pytest.fixture(scope="module")
+def staged_launch(non_fast_package, tmp_path_factory, s3_server):
+    """A launch of LAUNCHES by name, aborted once its dataset is staged (plan_run, stage_dataset), run when
+    first asked for: the replay's output and summary, its store (under ``base``/staged) and its checkpoint
+    root."""
+    runs: dict[str, SimpleNamespace] = {}
+
+    def launch(name: str) -> SimpleNamespace:
+        if name not in runs:
+            base = tmp_path_factory.mktemp(name)
+            root = f"s3://{s3_server.bucket}/{name}-{uuid.uuid4().hex[:8]}"
+            code, output, summary = run_replay(non_fast_package, base / "staged", *LAUNCHES[name][0],
+                                               f"checkpoint_uri={root}", options=("--abort-after", "n1"),
+                                               env=s3_server.env)
+            assert code == 3, output[-6000:]
+            runs[name] = SimpleNamespace(package=non_fast_package, base=base, store=base / "staged" / "store",
+                                         root=root, s3=s3_server, output=output, summary=summary)
+        return runs[name]
+
+    return launch
 
 
-def assert_planned(staged: SimpleNamespace, planned: tuple[int, int, int]) -> None:
-    """plan_run planned (min_nnodes, nnodes, max_restarts) = ``planned`` (min_nnodes 0: a count, not a
-    range), and the digits are staged."""
-    topology = staged.summary["node_outputs"]["n0"]["topology"]
-    assert (topology["min_nnodes"], topology["nnodes"], topology["max_restarts"]) == planned, topology
-    assert staged.summary["node_outputs"]["n1"]["o0"]["counts"]["train"] > 0
+@pytest.mark.parametrize("name", LAUNCHES)
+def test_a_launch_plans_its_job_and_stages_its_data(staged_launch, name):
+    topology = staged_launch(name).summary["node_outputs"]["n0"]["topology"]
+    planned = (topology["min_nnodes"], topology["nnodes"], topology["max_restarts"])
+    assert planned == LAUNCHES[name][1], topology
+    assert staged_launch(name).summary["node_outputs"]["n1"]["o0"]["counts"]["train"] > 0
 
 
 @pytest.fixture(scope="module")
-def reference_staged(non_fast_package, tmp_path_factory, s3_server) -> SimpleNamespace:
-    return staged_run(non_fast_package, tmp_path_factory.mktemp("pod-restarts"), s3_server, *INPUTS)
-
-
-def test_the_reference_launch_plans_a_two_pod_job_and_stages_its_data(reference_staged):
-    assert_planned(reference_staged, (0, 2, 1))
-
-
-@pytest.fixture(scope="module")
-def job(reference_staged):
+def job(staged_launch):
     """The uninterrupted reference replay: the staged execution recovered, and aborted once the train node
     succeeded. Its pods, store, checkpoint root, final weights, rank 0's metrics.jsonl (text) and the job's
     manifest (parsed). The store's settings are in this process's environment for the module, as a
     platform injects them into every pod (the pods started here from pod.json read them from there)."""
-    staged, workdir = reference_staged, reference_staged.base / "run"
+    staged = staged_launch("reference")
+    workdir = staged.base / "run"
     store, root = staged.store, Store(staged.root, staged.s3.storage_options)
     with pytest.MonkeyPatch.context() as patch:
         for name, value in staged.s3.env.items():
@@ -343,8 +355,6 @@ def test_the_flyte_retry_of_the_evicted_attempt_resumes_from_its_step_bitwise(jo
         assert f"/{TRAIN_NODE}/data/1" in " ".join(started["args"])
 
 
-ELASTIC_STEPS = 160
-
 
 def _pod_session(pod_dir: Path) -> int | None:
     """The pid of the pod's first process (a session leader, as replay.pod starts each pod), if it runs."""
@@ -358,29 +368,14 @@ def _pod_session(pod_dir: Path) -> int | None:
     return None
 
 
-ELASTIC_CONFIG = json.dumps({"telemetry": {"log_every": 1, "records_every_s": 2},
-                             "checkpoint": {"every": EVERY, "mode": "dcp"}})
-ELASTIC_INPUTS = ("backend=kubernetes", "nnodes=1:2", "nproc_per_node=1", "max_restarts=2",
-                  f"max_steps={ELASTIC_STEPS}", f"config_overrides={ELASTIC_CONFIG}")
-
-
 @pytest.fixture(scope="module")
-def node_range_staged(non_fast_package, tmp_path_factory, s3_server) -> SimpleNamespace:
-    """nnodes=1:2 on the Kubernetes backend, aborted once its dataset is staged."""
-    return staged_run(non_fast_package, tmp_path_factory.mktemp("elastic"), s3_server, *ELASTIC_INPUTS)
-
-
-def test_a_node_range_launch_plans_an_elastic_job_of_one_to_two_pods(node_range_staged):
-    assert_planned(node_range_staged, (1, 2, 2))
-
-
-@pytest.fixture(scope="module")
-def node_range(node_range_staged) -> SimpleNamespace:
+def node_range(staged_launch) -> SimpleNamespace:
     """The staged node-range job recovered, and aborted once its train node succeeded: worker-1's pod is
     SIGKILLed after the first checkpoint (its node lost), and the operator's new worker-1 (restart policy
     OnFailure) starts 25 s later, as if waiting to be scheduled. The steps at which it was lost, and the
     replay's output and summary."""
-    staged, workdir = node_range_staged, node_range_staged.base / "run"
+    staged = staged_launch("node-range")
+    workdir = staged.base / "run"
     store = Store(staged.root, staged.s3.storage_options)
     killed: list[int] = []
 
