@@ -125,9 +125,11 @@ def test_a_recovery_runs_the_execution_s_own_launch_and_refuses_other_inputs(pac
     said = capsys.readouterr().out
     assert f"launch plan scheduled, execution {recovered['execution']}, recovering {name}" in said
     propeller = workdir / "store" / "metadata" / "propeller"
-    inputs = {execution: (propeller / f"flytesnacks-development-{execution}" / "inputs.pb").read_bytes()
-              for execution in (name, recovered["execution"])}
-    assert inputs[name] == inputs[recovered["execution"]] and b"nproc_per_node" in inputs[name]
+    inputs = {execution: literals_pb2.LiteralMap.FromString(
+        (propeller / f"flytesnacks-development-{execution}" / "inputs.pb").read_bytes())
+        for execution in (name, recovered["execution"])}
+    assert inputs[name] == inputs[recovered["execution"]]
+    assert inputs[name].literals["nproc_per_node"].scalar.primitive.integer == 3
     for extra, expected in ((["--input", "nproc_per_node=4"], "own inputs: drop --input"),
                             (["--launch-plan", WORKFLOW], f"ran launch plan scheduled, not {WORKFLOW}"),
                             (["--recover", "fnosuchexecution"], "no execution of that name in")):
