@@ -1,4 +1,4 @@
-"""Helpers of the replay tests: the repository root, package builds and a replay runner."""
+"""Helpers of the replay tests: the repository root, package builds, a replay runner and its recovery."""
 
 from __future__ import annotations
 
@@ -50,3 +50,17 @@ def run_replay(package: Path, workdir: Path, *inputs: str, timeout: float = 600,
     data = json.loads(summary.read_text()) if summary.is_file() else {}
     return proc.returncode, proc.stdout + proc.stderr, data
 
+
+
+def run_recovery(package: Path, workdir: Path, execution: str, store: str | Path, *options: str,
+                 env: dict | None = None) -> tuple[int, str, dict]:
+    """``python -m replay --recover EXECUTION`` (Flyte's recover) of an execution of ``store``: a new
+    execution on that one's inputs and launch plan, reusing the nodes it ran to success; (exit code, output,
+    summary)."""
+    return run_replay(package, workdir, options=("--recover", execution, "--store", str(store), *options),
+                      env=env)
+
+
+def recovered_nodes(summary: dict) -> list[str]:
+    """The nodes an execution recovered instead of running (no pod), in order."""
+    return [node["node_id"] for node in summary["nodes"] if node["recovered_from"]]

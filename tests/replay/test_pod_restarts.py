@@ -49,7 +49,7 @@ from types import SimpleNamespace
 
 import pytest
 from flyteidl.core import errors_pb2, literals_pb2
-from replay_helpers import run_replay  # noqa: I001  (a module beside this file)
+from replay_helpers import recovered_nodes, run_recovery, run_replay  # noqa: I001  (a module beside this file)
 from s3_server import tensorboard_steps
 
 from replay import literals
@@ -144,10 +144,10 @@ def job(staged_launch):
     with pytest.MonkeyPatch.context() as patch:
         for name, value in staged.s3.env.items():
             patch.setenv(name, value)
-        code, output, summary = run_replay(staged.package, workdir, options=(
-            "--recover", staged.summary["execution"], "--store", str(store), "--abort-after", TRAIN_NODE))
+        code, output, summary = run_recovery(staged.package, workdir, staged.summary["execution"], store,
+                                             "--abort-after", TRAIN_NODE)
         assert code == 3, output[-6000:]
-        assert [node["node_id"] for node in summary["nodes"] if node["recovered_from"]] == ["n0", "n1"]
+        assert recovered_nodes(summary) == ["n0", "n1"]
         train = summary["node_outputs"][TRAIN_NODE]["o0"]["summary"]
         assert (train["steps"], train["world_size"], train["resumed_from"]) == (MAX_STEPS, 2, None)
         pods = sorted(workdir.glob(f"pods/{summary['execution']}-{TRAIN_NODE}-0-worker-*"))
@@ -177,8 +177,8 @@ def test_non_fast_registration_two_pod_pytorch_job(job, tmp_path):
     """The reference run is the non-fast registration replayed whole (recovered to its end: the export and
     the evaluation): its train node is a PyTorchJob of two worker pods that form one world, shard the model
     between them (FSDP) and train the pipeline to the digits preset's accuracy."""
-    code, output, finished = run_replay(job.package, tmp_path / "finished", options=(
-        "--recover", job.summary["execution"], "--store", str(job.store)))
+    code, output, finished = run_recovery(job.package, tmp_path / "finished", job.summary["execution"],
+                                          job.store)
     assert code == 0, output[-6000:]
     assert [node["node_id"] for node in finished["nodes"] if node["pods"]] == ["n3", "n4"]
     assert finished["outputs"]["report"]["result"]["accuracy"] >= 0.8, finished["outputs"]["report"]
@@ -394,9 +394,9 @@ def node_range(staged_launch) -> SimpleNamespace:
         for name, value in staged.s3.env.items():
             patch.setenv(name, value)
         killer.start()
-        code, output, summary = run_replay(staged.package, workdir, options=(
-            "--recover", staged.summary["execution"], "--store", str(staged.store),
-            "--reschedule-after", "25", "--abort-after", TRAIN_NODE))
+        code, output, summary = run_recovery(staged.package, workdir, staged.summary["execution"],
+                                             staged.store, "--reschedule-after", "25",
+                                             "--abort-after", TRAIN_NODE)
         killer.join()
     return SimpleNamespace(**{**vars(staged), "workdir": workdir, "code": code, "output": output,
                               "summary": summary, "killed": killed})
@@ -422,8 +422,8 @@ def test_a_node_range_job_goes_on_without_a_lost_pod_and_takes_its_new_one_back(
 def test_the_node_range_job_recovered_to_its_end_reaches_the_presets_accuracy(node_range, tmp_path):
     """The model that the job of changing membership trained, exported and evaluated by the execution's
     recovery (Flyte's recover: its nodes that succeeded are not run again)."""
-    code, output, finished = run_replay(node_range.package, tmp_path / "finished", options=(
-        "--recover", node_range.summary["execution"], "--store", str(node_range.store)))
+    code, output, finished = run_recovery(node_range.package, tmp_path / "finished",
+                                          node_range.summary["execution"], node_range.store)
     assert code == 0, output[-6000:]
     assert [node["node_id"] for node in finished["nodes"] if node["pods"]] == ["n3", "n4"]
     assert finished["outputs"]["report"]["result"]["accuracy"] >= 0.8

@@ -50,7 +50,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from replay_helpers import ROOT, run_replay  # noqa: I001  (a module beside this file)
+from replay_helpers import ROOT, recovered_nodes, run_recovery, run_replay  # noqa: I001  (a module beside this file)
 
 from traincore.artifacts.lineage import Lineage
 from traincore.checkpoint import Store, complete_steps, read_marker, step_store
@@ -151,17 +151,11 @@ def resumed_execution(run: SimpleNamespace, workdir: Path, *topology: str, s3_st
 
 
 def recovery(run: SimpleNamespace, workdir: Path, execution: str, *options: str) -> tuple[int, str, dict]:
-    """A new execution recovering ``execution`` of the run's store (Flyte's recover: its own inputs, what
-    succeeded reused); exit 3 when ``options`` abort it after a node, else 0."""
-    code, output, summary = run_replay(run.package, workdir, env=run.s3.env,
-                                       options=("--recover", execution, "--store", run.store, *options))
+    """The recovery of ``execution`` of the run's store; exit 3 when ``options`` abort it after a node, else
+    0."""
+    code, output, summary = run_recovery(run.package, workdir, execution, run.store, *options, env=run.s3.env)
     assert code == (3 if "--abort-after" in options else 0), output[-6000:]
     return code, output, summary
-
-
-def recovered_nodes(summary: dict) -> list[str]:
-    """The nodes an execution recovered (no pod ran), in order."""
-    return [node["node_id"] for node in summary["nodes"] if node["recovered_from"]]
 
 
 @pytest.fixture(scope="module")

@@ -28,7 +28,7 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
-from replay_helpers import run_replay  # noqa: I001  (a module beside this file)
+from replay_helpers import recovered_nodes, run_recovery, run_replay  # noqa: I001  (a module beside this file)
 
 from traincore.checkpoint import Store, complete_steps
 from traincore.tuning import StudyRecord
@@ -94,15 +94,14 @@ def recorded(run: SimpleNamespace) -> StudyRecord:
 
 
 def recovered(run: SimpleNamespace, workdir: Path, execution: str, *options: str) -> tuple[int, str, dict]:
-    """A new execution recovering ``execution`` of the module's store: its own inputs and launch plan."""
-    return run_replay(run.package, workdir, options=("--recover", execution, "--store", run.store, *options),
-                      env=run.s3.env)
+    """The recovery of ``execution`` of the module's store in the bucket."""
+    return run_recovery(run.package, workdir, execution, run.store, *options, env=run.s3.env)
 
 
 def assert_recovered(summary: dict, nodes: list[str]) -> None:
     """The execution's first nodes were recovered (no pod), in order: ``nodes``."""
-    recovered = [node["node_id"] for node in summary["nodes"] if node["recovered_from"]]
-    assert recovered == nodes and all(node["pods"] == 0 for node in summary["nodes"][:len(nodes)]), summary
+    assert recovered_nodes(summary) == nodes, summary
+    assert all(node["pods"] == 0 for node in summary["nodes"][:len(nodes)]), summary
 
 
 @pytest.fixture(scope="module")
@@ -233,10 +232,9 @@ def test_a_search_on_the_local_backend_from_the_package_aborted_after_its_first_
 def test_the_local_search_recovered_finds_its_root_and_resumes_the_survivor(local_first_rung, tmp_path):
     """The search's root (no checkpoint_uri: under the first execution's raw-output prefix) is an output of
     plan_search, which is recovered: the survivor resumes from its rung-0 checkpoint there."""
-    workdir = tmp_path / "recovered"
-    store = str(local_first_rung.workdir / "store")
-    code, output, summary = run_replay(local_first_rung.package, workdir, options=(
-        "--recover", local_first_rung.summary["execution"], "--store", store))
+    workdir, first = tmp_path / "recovered", local_first_rung
+    code, output, summary = run_recovery(first.package, workdir, first.summary["execution"],
+                                         first.workdir / "store")
     assert code == 0, output[-6000:]
     assert_recovered(summary, ["n0", "n1", "n2", "n3", "n3-0-dn0", "n3-0-dn1", FIRST_RUNG_RECORD])
     assert trains(summary) == [1]
