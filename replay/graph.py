@@ -111,6 +111,7 @@ class Replay:
         template = tasks[array.node.task_node.reference_id.name]
         recovered = self._recovered(node_id, template)
         if recovered is not None:
+            self.node_outputs[node_id] = recovered
             return recovered
         inputs = literals.bind_inputs(node.inputs, outputs)
         mapped = [name for name, literal in inputs.literals.items()
@@ -184,15 +185,16 @@ class Replay:
         print(f"replay: node {node_id:<10} {template.id.name:<45} recovered from {self.recover.name}",
               flush=True)
         self.timings.append(NodeTiming(node_id, template.id.name, 0.0, 0, recovered_from=self.recover.name))
-        futures = f"{succeeded.output_prefix}/{FUTURES}"
-        if self.store.exists(futures):
-            self.store.copy(futures, f"{paths.output_prefix}/{FUTURES}")
-            spec = dynamic_job_pb2.DynamicJobSpec.FromString(self.store.read(futures))
-            return self._run_dynamic(node_id, spec, paths)
-        self.store.copy(f"{succeeded.output_prefix}/{OUTPUTS}", f"{paths.output_prefix}/{OUTPUTS}")
-        outputs = literals_pb2.LiteralMap.FromString(self.store.read(f"{paths.output_prefix}/{OUTPUTS}"))
-        self.node_outputs[node_id] = outputs
-        return outputs
+        if self.store.exists(f"{succeeded.output_prefix}/{FUTURES}"):
+            spec = self._recovered_object(FUTURES, succeeded, paths)
+            return self._run_dynamic(node_id, dynamic_job_pb2.DynamicJobSpec.FromString(spec), paths)
+        return literals_pb2.LiteralMap.FromString(self._recovered_object(OUTPUTS, succeeded, paths))
+
+    def _recovered_object(self, name: str, succeeded: NodePaths, paths: NodePaths) -> bytes:
+        """The earlier attempt's ``name`` (outputs.pb or futures.pb), written under this node's prefix too."""
+        data = self.store.read(f"{succeeded.output_prefix}/{name}")
+        self.store.write(f"{paths.output_prefix}/{name}", data)
+        return data
 
     def _succeeded_attempt(self, node_id: str) -> NodePaths | None:
         """The earlier execution's attempt of ``node_id`` that succeeded (outputs.pb, or a dynamic node's

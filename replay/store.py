@@ -10,6 +10,7 @@ Layout, as propeller's: ``metadata/propeller/<project>-<domain>-<execution>/<nod
 from __future__ import annotations
 
 import hashlib
+import shutil
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
@@ -69,8 +70,13 @@ class Store:
             return f.read()
 
     def copy(self, source: str, target: str) -> None:
-        """One object to another key of the same store (a recovered node's inputs and outputs)."""
-        self.write(target, self.read(source))
+        """One object to another key of the same store (a recovered node's inputs): on an object store a
+        copy the store makes itself, without the bytes passing through this process."""
+        if self._fs is not None:
+            self._fs.copy(source, target)
+            return
+        Path(target).parent.mkdir(parents=True, exist_ok=True)
+        shutil.copyfile(source, target)
 
     def exists(self, path: str) -> bool:
         return Path(path).exists() if self._fs is None else self._fs.exists(path)

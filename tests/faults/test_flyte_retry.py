@@ -169,35 +169,3 @@ def test_bad_config_is_a_user_error_raised_before_any_worker(bad_config):
     # No worker process, no torch-elastic launch (its log directory), nothing under the checkpoint root.
     assert not bad_config.seen and not list((directory / "tmp").glob("torchelastic_*"))
     assert not bad_config.root.exists()
-
-
-def test_an_evicted_attempt_saves_its_step_and_the_retry_loses_none(job):
-    """SIGTERM to the task's process, as the kubelet sends it to a pod's PID 1 on eviction or spot reclaim."""
-    steps = 100
-    root = job.base / "evicted-checkpoints"
-    inputs = job.inputs("evicted.pb", root, **{"train.max_steps": steps})
-    process, first = start_attempt(job, inputs, 0)
-    try:
-        wait_for(lambda: complete_steps(root) or process.poll() is not None, 240,
-                 "attempt 0's first checkpoint")
-        assert process.poll() is None, logs(first)
-        sent = time.monotonic()
-        process.send_signal(signal.SIGTERM)
-        process.wait(timeout=40)
-        took = time.monotonic() - sent
-    finally:
-        finish(process, first)
-    kind, message = flyte_error(first) or ("no error document", logs(first))
-    assert kind == "RECOVERABLE", message
-    saved = complete_steps(root)[-1]
-    assert f"preempted at step {saved} by SIGTERM: checkpoint step-{saved} saved" in message, message
-    assert EVERY <= saved < steps
-    assert took < retry_config().checkpoint.preemption_grace_s, took
-
-    second = finish(*start_attempt(job, inputs, 1))
-    assert flyte_error(second) is None, logs(second)
-    result = flyte_output(job.task, second)
-    assert (result.summary.steps, result.summary.resumed_from) == (steps, saved)
-    logged = [row["step"] for row in metric_rows(Path(result.logs.download()))]
-    assert logged == list(range(saved + 1, steps + 1))  # the retry starts right after the saved step
-    print(f"evicted at step {saved}: saved and exited in {took:.1f} s; the retry resumed from it")

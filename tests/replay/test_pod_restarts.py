@@ -62,7 +62,8 @@ from traincore.telemetry.records import attempt_records
 # 2 cores; the faults come after the first checkpoint.
 MAX_STEPS, EVERY = 80, 20
 TRAIN_NODE = "n2-0-dn0"
-CONFIG = json.dumps({"telemetry": {"log_every": 10, "records_every_s": 2},
+LOG_EVERY = 10
+CONFIG = json.dumps({"telemetry": {"log_every": LOG_EVERY, "records_every_s": 2},
                      "checkpoint": {"every": EVERY, "mode": "dcp"}})
 INPUTS = ("backend=kubernetes", "nnodes=2", "nproc_per_node=1", "max_restarts=1", "parallelism=fsdp",
           f"max_steps={MAX_STEPS}", f"config_overrides={CONFIG}")
@@ -321,7 +322,7 @@ def test_evicted_pods_agree_on_a_step_save_it_and_fail_as_recoverable(job, evict
     latest = complete_steps(job.root)[-1]
     assert errors_pb2.ContainerError.Kind.Name(error.kind) == "RECOVERABLE", error.message
     assert f"preempted at step {latest} by SIGTERM: checkpoint step-{latest} saved" in error.message
-    assert latest < MAX_STEPS
+    assert EVERY <= latest < MAX_STEPS and evicted.took < DEFAULT_GRACE_S
     print(f"evicted pods saved step {latest} and exited in {evicted.took:.1f} s")
     # The evicted attempt's records are in the store: metrics to the step it saved, TensorBoard events that
     # TensorBoard's own reader reads there, and the end of each rank's stderr.
@@ -344,6 +345,11 @@ def test_the_flyte_retry_of_the_evicted_attempt_resumes_from_its_step_bitwise(jo
     summary = retry["outputs"]["o0"]["summary"]
     assert (summary["resumed_from"], summary["steps"], summary["world_size"]) == (latest, MAX_STEPS, 2)
     assert_reference_weights(job)
+    # The retry logs from the step after the saved one on, every LOG_EVERY steps: none trained twice or lost.
+    records = attempt_records(job.root, 1)
+    rows = [json.loads(line) for line in records.read_bytes("metrics.jsonl").splitlines()]
+    logged = [row["step"] for row in rows if row.get("kind") == "train"]
+    assert logged == [step for step in range(latest + 1, MAX_STEPS + 1) if step % LOG_EVERY == 0], logged
     # A new job with new pods, as propeller's retry creates: attempt 1 in its name, its env and its paths.
     (node,) = retry["nodes"]
     assert node["pods"] == 2 and node["writer"]
