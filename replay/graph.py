@@ -177,37 +177,32 @@ class Replay:
         its inputs and outputs are copied to this execution's paths and the outputs, which name the earlier
         execution's data, are used as they are. A dynamic node's spec (futures.pb) is copied and its nodes
         recover one by one, so those that had not succeeded run now. None: the node runs."""
-        succeeded = self._succeeded_attempt(node_id) if self.recover else None
-        if succeeded is None:
+        found = self._succeeded_attempt(node_id) if self.recover else None
+        if found is None:
             return None
+        succeeded, written = found
         paths = self.store.node_paths(self.execution, node_id, self.attempt)
         self.store.copy(succeeded.inputs, paths.inputs)
         print(f"replay: node {node_id:<10} {template.id.name:<45} recovered from {self.recover.name}",
               flush=True)
         self.timings.append(NodeTiming(node_id, template.id.name, 0.0, 0, recovered_from=self.recover.name))
-        if self.store.exists(f"{succeeded.output_prefix}/{FUTURES}"):
-            spec = self._recovered_object(FUTURES, succeeded, paths)
-            return self._run_dynamic(node_id, dynamic_job_pb2.DynamicJobSpec.FromString(spec), paths)
-        return literals_pb2.LiteralMap.FromString(self._recovered_object(OUTPUTS, succeeded, paths))
+        data = self.store.read(f"{succeeded.output_prefix}/{written}")
+        self.store.write(f"{paths.output_prefix}/{written}", data)
+        if written == FUTURES:
+            return self._run_dynamic(node_id, dynamic_job_pb2.DynamicJobSpec.FromString(data), paths)
+        return literals_pb2.LiteralMap.FromString(data)
 
-    def _recovered_object(self, name: str, succeeded: NodePaths, paths: NodePaths) -> bytes:
-        """The earlier attempt's ``name`` (outputs.pb or futures.pb), written under this node's prefix too."""
-        data = self.store.read(f"{succeeded.output_prefix}/{name}")
-        self.store.write(f"{paths.output_prefix}/{name}", data)
-        return data
-
-    def _succeeded_attempt(self, node_id: str) -> NodePaths | None:
-        """The earlier execution's attempt of ``node_id`` that succeeded (outputs.pb, or a dynamic node's
-        futures.pb, and no error.pb), after any that failed (a retried node); None if none did. A task without
-        outputs leaves nothing that tells, and runs again."""
+    def _succeeded_attempt(self, node_id: str) -> tuple[NodePaths, str] | None:
+        """The earlier execution's attempt of ``node_id`` that succeeded, after any that failed (a retried
+        node), and what it wrote: futures.pb (a dynamic node) or outputs.pb, with no error.pb. None if none
+        did. A task without outputs leaves nothing that tells, and runs again."""
         for attempt in itertools.count():
             paths = self.store.node_paths(self.recover, node_id, attempt)
-            failed = self.store.exists(f"{paths.output_prefix}/{ERROR}")
-            written = (self.store.exists(f"{paths.output_prefix}/{name}") for name in (FUTURES, OUTPUTS))
-            if not failed and any(written):
-                return paths
-            if not failed:
-                return None
+            if self.store.exists(f"{paths.output_prefix}/{ERROR}"):
+                continue
+            written = next((name for name in (FUTURES, OUTPUTS)
+                            if self.store.exists(f"{paths.output_prefix}/{name}")), None)
+            return None if written is None else (paths, written)
 
     def _run(self, node_id: str, pods: list[PodSpec], recreate: bool = False,
              first_serves: str | None = None) -> list[PodResult]:

@@ -303,6 +303,6 @@ def test_recovery_takes_the_attempt_that_succeeded_and_runs_a_node_that_only_fai
         store.write(f"{store.node_paths(EXECUTION, node_id, attempt).output_prefix}/{name}", b"")
     replay = Replay(store, replace(EXECUTION, name="fagain"), tmp_path, BIN, recover=EXECUTION)
     found = {node: replay._succeeded_attempt(node) for node in ("retried", "failed", "dynamic", "stopped")}
-    assert found["retried"] == store.node_paths(EXECUTION, "retried", 1)
-    assert found["dynamic"] == store.node_paths(EXECUTION, "dynamic", 0)
+    assert found["retried"] == (store.node_paths(EXECUTION, "retried", 1), "outputs.pb")
+    assert found["dynamic"] == (store.node_paths(EXECUTION, "dynamic", 0), "futures.pb")
     assert found["failed"] is None and found["stopped"] is None
